@@ -1,0 +1,75 @@
+"""Write the fixed benchmark workloads next to this script.
+
+    python bench/workloads/make_workloads.py
+
+- mixed64.jsonl: 64 requests, prompt lengths uniform in [32, 512], outputs uniform in
+  [16, 256]: a mix of short and long prefills and decodes for continuous batching.
+  Totals: 18,685 prompt tokens, 7,729 output tokens.
+- shared_prefix32.jsonl: 32 requests that share one 1,500-token system prompt, followed by a
+  distinct 8-24 token question, 16 output tokens each: what the prefix cache is for.
+  Totals: 48,507 prompt tokens (1,500 of each request shared), 512 output tokens.
+
+Prompts are token ids from [1000, 40000), ordinary tokens of SmolLM2's 49,152-token
+vocabulary, so no tokenizer is needed and every run sends the very same tokens. Send them
+with ignore_eos (`tokenline bench serve --ignore-eos`) so each request generates exactly
+its max_tokens and runs are comparable. The first line of each file is a `#` comment with
+its totals; `bench.datasets.load_jsonl` skips it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+TOKEN_LOW, TOKEN_HIGH = 1000, 40000
+SEED = 0
+
+
+def mixed(rng: np.random.Generator, n: int = 64) -> list[dict]:
+    rows = []
+    for _ in range(n):
+        prompt_len = int(rng.integers(32, 512, endpoint=True))
+        max_tokens = int(rng.integers(16, 256, endpoint=True))
+        ids = rng.integers(TOKEN_LOW, TOKEN_HIGH, size=prompt_len).tolist()
+        rows.append({"prompt_token_ids": ids, "max_tokens": max_tokens})
+    return rows
+
+
+def shared_prefix(
+    rng: np.random.Generator, n: int = 32, prefix_len: int = 1500, max_tokens: int = 16
+) -> list[dict]:
+    system = rng.integers(TOKEN_LOW, TOKEN_HIGH, size=prefix_len).tolist()
+    rows = []
+    for _ in range(n):
+        question = rng.integers(
+            TOKEN_LOW, TOKEN_HIGH, size=int(rng.integers(8, 24, endpoint=True))
+        ).tolist()
+        rows.append({"prompt_token_ids": system + question, "max_tokens": max_tokens})
+    return rows
+
+
+def write(path: Path, rows: list[dict], what: str) -> str:
+    prompt = sum(len(r["prompt_token_ids"]) for r in rows)
+    output = sum(r["max_tokens"] for r in rows)
+    header = (f"# {what}; {len(rows)} requests, {prompt} prompt tokens, {output} output "
+              f"tokens (send with ignore_eos); made by make_workloads.py, seed {SEED}")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(header + "\n")
+        for row in rows:
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")
+    return header
+
+
+def main() -> None:
+    # One generator per file, so that changing one workload never changes the other.
+    print(write(HERE / "mixed64.jsonl", mixed(np.random.default_rng(SEED)),
+                "prompts uniform in [32, 512] tokens, outputs uniform in [16, 256]"))
+    print(write(HERE / "shared_prefix32.jsonl", shared_prefix(np.random.default_rng(SEED)),
+                "one shared 1500-token system prompt + an 8-24 token question, 16 out"))
+
+
+if __name__ == "__main__":
+    main()
