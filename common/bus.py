@@ -1,0 +1,139 @@
+"""The NATS connection every service uses: msgpack Structs in, msgpack Structs out."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import nats
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+
+from common import messages
+from common.config import ServerArgs
+from common.logging import get_logger
+
+log = get_logger("bus")
+
+Handler = Callable[[messages.Message, dict[str, str]], Awaitable[None]]
+
+
+class Bus:
+    def __init__(self, args: ServerArgs, name: str) -> None:
+        self.args = args
+        self.name = name
+        self.nc: Client | None = None
+
+    async def connect(self, attempts: int = 120) -> None:
+        """Connect, retrying while the server is not up yet (services may start first)."""
+        opts = dict(
+            servers=[self.args.nats_url or "nats://127.0.0.1:4222"],
+            name=self.name,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.25,
+            connect_timeout=2,
+            ping_interval=5,
+            max_outstanding_pings=3,
+            error_cb=self._on_error,
+            disconnected_cb=self._on_disconnect,
+            reconnected_cb=self._on_reconnect,
+        )
+        if self.args.nats_user:
+            opts.update(user=self.args.nats_user, password=self.args.nats_password)
+        if self.args.nats_token:
+            opts["token"] = self.args.nats_token
+        for attempt in range(attempts):
+            try:
+                self.nc = await nats.connect(**opts)
+                return
+            except Exception as exc:  # noqa: BLE001 - any failure to connect is retried
+                if attempt == attempts - 1:
+                    raise
+                log.info("waiting for NATS", url=opts["servers"][0], error=str(exc))
+                await asyncio.sleep(0.5)
+
+    async def _on_error(self, exc: Exception) -> None:
+        log.warning("nats error", error=str(exc))
+
+    async def _on_disconnect(self) -> None:
+        log.warning("nats disconnected")
+
+    async def _on_reconnect(self) -> None:
+        log.info("nats reconnected")
+
+    async def publish(
+        self, subject: str, msg: messages.Message, headers: dict[str, str] | None = None
+    ) -> None:
+        assert self.nc is not None
+        await self.nc.publish(subject, messages.encode(msg), headers=headers or None)
+
+    async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> None:
+        """Deliver each decoded message to `handler`; a failing handler never kills the service."""
+        assert self.nc is not None
+
+        async def on_msg(raw: Msg) -> None:
+            try:
+                msg = messages.decode(raw.data)
+            except Exception as exc:  # noqa: BLE001
+                log.error("undecodable message", subject=raw.subject, error=str(exc))
+                return
+            try:
+                await handler(msg, dict(raw.headers or {}))
+            except Exception:  # noqa: BLE001
+                log.exception("handler failed", subject=raw.subject)
+
+        await self.nc.subscribe(subject, queue=queue, cb=on_msg, pending_msgs_limit=-1,
+                                pending_bytes_limit=-1)
+
+    async def subscribe_requests(
+        self, subject: str, handler: Callable[[messages.Message], Awaitable[messages.Message]]
+    ) -> None:
+        """Request/reply: the handler's return value goes back to the asker."""
+        assert self.nc is not None
+
+        async def on_msg(raw: Msg) -> None:
+            try:
+                reply = await handler(messages.decode(raw.data))
+                await raw.respond(messages.encode(reply))
+            except Exception:  # noqa: BLE001
+                log.exception("request handler failed", subject=raw.subject)
+
+        await self.nc.subscribe(subject, cb=on_msg)
+
+    async def gather(
+        self, subject: str, msg: messages.Message, expect: int, timeout: float
+    ) -> list[messages.Message]:
+        """Publish to many responders and collect up to `expect` replies within `timeout`."""
+        assert self.nc is not None
+        inbox = self.nc.new_inbox()
+        replies: list[messages.Message] = []
+        done = asyncio.Event()
+
+        async def on_reply(raw: Msg) -> None:
+            replies.append(messages.decode(raw.data))
+            if len(replies) >= expect:
+                done.set()
+
+        sub = await self.nc.subscribe(inbox, cb=on_reply)
+        try:
+            await self.nc.publish(subject, messages.encode(msg), reply=inbox)
+            if expect > 0:
+                try:
+                    await asyncio.wait_for(done.wait(), timeout)
+                except TimeoutError:
+                    pass
+        finally:
+            await sub.unsubscribe()
+        return replies
+
+    async def flush(self) -> None:
+        if self.nc is not None:
+            await self.nc.flush()
+
+    async def close(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            try:
+                await self.nc.drain()
+            except Exception:  # noqa: BLE001
+                await self.nc.close()

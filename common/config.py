@@ -1,0 +1,126 @@
+"""Server flags, shared by every service and the launcher.
+
+Each flag `--some-flag` also reads the environment variable `TOKENLINE_SOME_FLAG`; the command
+line wins. Every service parses the same flags, so the launcher hands its argv to each child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _flag(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ServerArgs:
+    # where
+    host: str = _flag("127.0.0.1", "HTTP listen address of the gateway")
+    port: int = _flag(8000, "HTTP port of the gateway")
+    model: str | None = _flag(None, "local transformers directory or GGUF file (default SmolLM2)")
+    served_model_name: str | None = _flag(None, "model name in the API (default: from --model)")
+    nats_url: str | None = _flag(None, "NATS server URL (serve: embedded server if unset)")
+    nats_user: str | None = _flag(None, "NATS user")
+    nats_password: str | None = _flag(None, "NATS password")
+    nats_token: str | None = _flag(None, "NATS token")
+    subject_prefix: str = _flag("tl", "prefix of every NATS subject")
+    instance_id: str | None = _flag(None, "this service instance's id (default: random)")
+    cache_dir: str | None = _flag(None, "where converted models are cached")
+    # engine
+    device: str = _flag("auto", "cpu, cuda or auto")
+    dtype: str = _flag("auto", "float32, bfloat16, float16 or auto (float32 on CPU, bf16 on CUDA)")
+    attention_backend: str = _flag("auto", "auto, torch or triton", choices=["auto", "torch", "triton"])
+    num_threads: int | None = _flag(None, "torch CPU threads of the model worker")
+    page_size: int = _flag(16, "tokens per KV block")
+    max_total_tokens: int | None = _flag(None, "KV pool size in tokens (overrides the fraction)")
+    mem_fraction_static: float = _flag(0.9, "fraction of memory for weights and KV pool")
+    cpu_memory_gib: float = _flag(4.0, "memory budget on CPU that --mem-fraction-static applies to")
+    max_model_len: int | None = _flag(None, "context length (default: the model's)")
+    max_running_requests: int = _flag(128, "most requests in the running batch")
+    max_queued_requests: int = _flag(1024, "most requests waiting; beyond it new ones get 503")
+    chunked_prefill_size: int = _flag(512, "most prompt tokens of one request in one step")
+    max_prefill_tokens: int = _flag(2048, "most prompt tokens in one step, all requests")
+    schedule_policy: str = _flag("fcfs", "waiting-queue order", choices=["fcfs", "lpm", "priority"])
+    retraction_policy: str = _flag("length", "who is retracted first when KV runs out",
+                                   choices=["length", "priority"])
+    batching: str = _flag("continuous", "batching policy",
+                          choices=["continuous", "static", "dynamic"])
+    batch_wait_ms: float = _flag(20.0, "dynamic batching: longest wait to fill a batch")
+    disable_prefix_cache: bool = _flag(False, "turn the prefix cache off")
+    debug_check_integrity: bool = _flag(False, "check the KV pool's books whenever idle")
+    # gateway
+    api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY'")
+    enable_metrics: bool = _flag(True, "serve /metrics", negatable=True)
+    max_request_bytes: int = _flag(8 * 1024 * 1024, "largest request body (413 beyond)")
+    first_output_timeout: float = _flag(600.0, "seconds to the first output before an error")
+    inter_output_timeout: float = _flag(120.0, "seconds between outputs before an error")
+    heartbeat_timeout: float = _flag(5.0, "a service silent this long counts as dead")
+    max_stop_strings: int = _flag(16, "most stop strings per request")
+    # observability
+    otlp_traces_endpoint: str | None = _flag(None, "OTLP traces endpoint (http(s):// or grpc://)")
+    otlp_traces_protocol: str = _flag("http/protobuf", "http/protobuf or grpc",
+                                      choices=["http/protobuf", "grpc"])
+    log_level: str = _flag("info", "debug, info, warning, error")
+    stats_interval: float = _flag(1.0, "seconds between heartbeats")
+    log_stats_interval: float = _flag(5.0, "seconds between the scheduler's stats log lines")
+
+    def resolved_instance_id(self, service: str) -> str:
+        if self.instance_id:
+            return self.instance_id
+        return f"{service}-{uuid.uuid4().hex[:8]}"
+
+
+def _env_name(name: str) -> str:
+    return "TOKENLINE_" + name.upper()
+
+
+def _parse_bool(value: str) -> bool:
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(ServerArgs):
+        flag = "--" + f.name.replace("_", "-")
+        meta = dict(f.metadata)
+        help_text = meta.pop("help", "")
+        negatable = meta.pop("negatable", False)
+        env = os.environ.get(_env_name(f.name))
+        if f.type in ("bool", bool):
+            default = _parse_bool(env) if env is not None else f.default
+            action = argparse.BooleanOptionalAction if negatable else "store_true"
+            parser.add_argument(flag, action=action, default=default, help=help_text)
+            continue
+        kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
+            str(f.type), str
+        )
+        default = kind(env) if env is not None else f.default
+        parser.add_argument(flag, type=kind, default=default, help=help_text, **meta)
+
+
+def parse_server_args(argv: list[str] | None = None, prog: str | None = None) -> ServerArgs:
+    parser = argparse.ArgumentParser(prog=prog)
+    add_server_args(parser)
+    ns = parser.parse_args(argv)
+    return ServerArgs(**vars(ns))
+
+
+def to_argv(args: ServerArgs) -> list[str]:
+    """Flags that reproduce `args` (for the launcher's children)."""
+    out: list[str] = []
+    for f in dataclasses.fields(ServerArgs):
+        value = getattr(args, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            if value:
+                out.append(flag)
+            elif f.metadata.get("negatable"):
+                out.append("--no-" + f.name.replace("_", "-"))
+        elif value is not None:
+            out += [flag, str(value)]
+    return out

@@ -1,0 +1,207 @@
+"""Every message on the wire: msgspec Structs, tagged, encoded as msgpack.
+
+Names end in Req (asks a stage to do something) or Out (a stage's result), as SGLang does.
+Trace context travels in NATS headers, never here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, omit_defaults=True):
+    max_new_tokens: int | None = None  # None: up to the context length
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the top k
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+FinishKind = Literal["stop", "length", "abort", "error"]
+
+
+class Finish(msgspec.Struct, omit_defaults=True):
+    """Why a request ended. `matched` is the stop string or token id that ended it."""
+
+    kind: FinishKind
+    matched: str | int | None = None
+    message: str | None = None
+    status: int | None = None  # HTTP status for abort/error
+
+
+class GenerateReq(msgspec.Struct, tag=True, omit_defaults=True):
+    """gateway -> tokenizer: one request as the client sent it."""
+
+    rid: str
+    gateway_id: str
+    params: SamplingParams
+    text: str | None = None
+    messages: list[dict] | None = None
+    input_ids: list[int] | None = None
+    add_generation_prompt: bool = True
+    priority: int = 0
+    arrival_time: float = 0.0
+    # Tokens a client already received: a request moved off a dead scheduler resumes after them.
+    output_ids: list[int] = msgspec.field(default_factory=list)
+    scheduler_id: str | None = None  # pin to one scheduler (None: any, via the queue group)
+
+
+class TokenizedReq(msgspec.Struct, tag=True, omit_defaults=True):
+    """tokenizer -> scheduler."""
+
+    rid: str
+    gateway_id: str
+    input_ids: list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_time: float = 0.0
+    output_ids: list[int] = msgspec.field(default_factory=list)
+
+
+class LogprobOut(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = msgspec.field(default_factory=list)
+
+
+class TokenOut(msgspec.Struct, omit_defaults=True):
+    """One request's share of an engine step."""
+
+    rid: str
+    gateway_id: str
+    token_ids: list[int]
+    finish: Finish | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[LogprobOut] | None = None
+    # Set on a request's first output only: what the detokenizer needs to know about it.
+    first: bool = False
+    stop: list[str] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    queue_time: float | None = None  # seconds between arrival at the scheduler and first step
+    prefill_tokens: int = 0
+    retractions: int = 0
+
+
+class BatchTokenOut(msgspec.Struct, tag=True, omit_defaults=True):
+    """scheduler -> detokenizer: every request of one engine step routed to that detokenizer."""
+
+    scheduler_id: str
+    items: list[TokenOut]
+
+
+class TextOut(msgspec.Struct, omit_defaults=True):
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish: Finish | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[LogprobOut] | None = None
+    scheduler_id: str | None = None
+    queue_time: float | None = None
+    retractions: int = 0
+
+
+class BatchTextOut(msgspec.Struct, tag=True, omit_defaults=True):
+    """detokenizer -> gateway: every request of that gateway with output since the last flush."""
+
+    items: list[TextOut]
+
+
+class ErrorOut(msgspec.Struct, tag=True, omit_defaults=True):
+    """Any stage -> gateway: the request failed; the gateway answers the client with it."""
+
+    rid: str
+    message: str
+    status: int = 400
+    err_type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+
+class AbortReq(msgspec.Struct, tag=True, omit_defaults=True):
+    """Broadcast: stop a request wherever it is and free what it holds."""
+
+    rid: str | None = None
+    abort_all: bool = False
+    reason: str = "aborted by client"
+
+
+class FlushCacheReq(msgspec.Struct, tag=True):
+    """gateway -> every scheduler (request/reply): drop the prefix cache."""
+
+
+class FlushCacheOut(msgspec.Struct, tag=True, omit_defaults=True):
+    scheduler_id: str
+    ok: bool
+    message: str = ""
+
+
+class StatsOut(msgspec.Struct, tag=True, omit_defaults=True):
+    """Every service, periodically: a heartbeat with what it holds and its counters."""
+
+    service: str
+    instance_id: str
+    time: float
+    in_flight: int = 0
+    # scheduler only
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_total_blocks: int = 0
+    kv_free_blocks: int = 0
+    kv_cached_blocks: int = 0
+    kv_usage: float = 0.0
+    num_retractions_total: int = 0
+    num_aborted_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    num_steps_total: int = 0
+    info: dict | None = None  # static facts (KV pool, model) for /get_server_info
+
+
+Message = (
+    GenerateReq
+    | TokenizedReq
+    | BatchTokenOut
+    | BatchTextOut
+    | ErrorOut
+    | AbortReq
+    | FlushCacheReq
+    | FlushCacheOut
+    | StatsOut
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    return _decoder.decode(data)

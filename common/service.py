@@ -1,0 +1,79 @@
+"""What every service process shares: start-up, heartbeats, clean shutdown on a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+from common.bus import Bus
+from common.config import ServerArgs
+from common.logging import get_logger
+from common.messages import StatsOut
+from common.subjects import Subjects
+
+log = get_logger("service")
+
+
+class Service:
+    """Base of the tokenizer, scheduler and detokenizer services (the gateway too)."""
+
+    name = "service"
+
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.instance_id = args.resolved_instance_id(self.name)
+        self.subjects = Subjects(args.subject_prefix)
+        self.bus = Bus(args, f"{self.name}:{self.instance_id}")
+        self.started = time.time()
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def setup(self) -> None:
+        """Subscribe to subjects (after the bus is connected)."""
+
+    def stats(self) -> StatsOut:
+        return StatsOut(service=self.name, instance_id=self.instance_id, time=time.time())
+
+    async def _heartbeat(self) -> None:
+        subject = self.subjects.stats(self.name, self.instance_id)
+        while True:
+            try:
+                await self.bus.publish(subject, self.stats())
+            except Exception as exc:  # noqa: BLE001 - e.g. while NATS reconnects
+                log.debug("heartbeat failed", error=str(exc))
+            await asyncio.sleep(self.args.stats_interval)
+
+    def spawn(self, coro: Awaitable) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.append(task)
+        return task
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, self._stop.set)
+        await self.bus.connect()
+        await self.setup()
+        self.spawn(self._heartbeat())
+        log.info(f"{self.name} ready", instance_id=self.instance_id)
+        await self._stop.wait()
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.bus.close()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def main(make: Callable[[ServerArgs], Service], name: str, argv: list[str] | None = None) -> None:
+    from common.config import parse_server_args
+    from common.logging import configure
+
+    args = parse_server_args(argv, prog=f"python -m services.{name}")
+    configure(name, args.log_level)
+    asyncio.run(make(args).run())

@@ -1,0 +1,393 @@
+"""The engine core: scheduler + KV pool + model runner + sampler, one `step()` at a time.
+
+No NATS, no HTTP. The scheduler service feeds it from the bus and runs `step()` in a worker
+thread; the offline `Engine` and the benchmarks drive it directly. `submit` and `abort` may be
+called from any thread: they only queue, and `step()` applies them at the step boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.config import ServerArgs
+from common.logging import get_logger
+from common.messages import AbortReq, Finish, LogprobOut, TokenizedReq, TokenOut
+from common.modelstore import model_info, prepare_model
+from services.scheduler.kv_pool import BlockPool
+from services.scheduler.model_runner import ModelRunner
+from services.scheduler.request import Request, Status
+from services.scheduler.sampler import SampleRow, needs_counts, sample
+from services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+
+log = get_logger("engine")
+
+TOMBSTONE_SECONDS = 60.0
+
+
+@dataclass
+class StepStats:
+    step: int = 0
+    num_tokens: int = 0
+    num_decode: int = 0
+    num_prefill_tokens: int = 0
+    scheduled_rids: list[str] = field(default_factory=list)
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+class _StopText:
+    """Incremental text of a request with stop strings, to find a match the step it happens."""
+
+    def __init__(self, tokenizer, skip_special: bool, prior: list[int]) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=skip_special)
+        self.text = ""
+        for t in prior:
+            self.push(t)
+
+    def push(self, token: int) -> None:
+        piece = self.stream.step(self.tokenizer, token)
+        if piece:
+            self.text += piece
+
+    def find(self, stops: list[str], before: int) -> str | None:
+        for s in stops:
+            if self.text.find(s, max(0, before - len(s) + 1)) >= 0:
+                return s
+        return None
+
+
+class EngineCore:
+    def __init__(self, args: ServerArgs, model_path: Path | None = None) -> None:
+        self.args = args
+        path = model_path or prepare_model(args.model, args.cache_dir)
+        self.info = model_info(path, args.served_model_name, args.model)
+        self.runner = ModelRunner(
+            path,
+            device=args.device,
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            page_size=args.page_size,
+            max_total_tokens=args.max_total_tokens,
+            mem_fraction_static=args.mem_fraction_static,
+            cpu_memory_gib=args.cpu_memory_gib,
+            max_model_len=args.max_model_len,
+            num_threads=args.num_threads,
+        )
+        self.max_model_len = self.runner.max_model_len
+        self.pool = BlockPool(self.runner.num_blocks, args.page_size, not args.disable_prefix_cache)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_running_requests=args.max_running_requests,
+                chunked_prefill_size=args.chunked_prefill_size,
+                max_prefill_tokens=max(args.max_prefill_tokens, 1),
+                schedule_policy=args.schedule_policy,
+                retraction_policy=args.retraction_policy,
+                batching=args.batching,
+                batch_wait_ms=args.batch_wait_ms,
+                max_model_len=self.max_model_len,
+            ),
+            self.pool,
+        )
+        self.eos_ids = set(self.info.eos_token_ids)
+        self._tokenizer = None
+        self.requests: dict[str, Request] = {}
+        self.tombstones: dict[str, float] = {}
+        self._inbox: deque[TokenizedReq | AbortReq] = deque()
+        self._lock = threading.Lock()
+        self._counts: dict[str, torch.Tensor] = {}  # rid -> [V] output token counts
+        self._seen: dict[str, torch.Tensor] = {}  # rid -> [V] bool, prompt and output tokens
+        self._stop_text: dict[str, _StopText] = {}
+        self.num_steps = 0
+        self.num_aborted_total = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.last_step = StepStats()
+
+    # -- thread-safe entry points ---------------------------------------------------------------
+    def submit(self, msg: TokenizedReq) -> None:
+        with self._lock:
+            self._inbox.append(msg)
+
+    def abort(self, msg: AbortReq) -> None:
+        with self._lock:
+            self._inbox.append(msg)
+
+    def has_work(self) -> bool:
+        return bool(self._inbox) or self.scheduler.has_work()
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self._tokenizer = Tokenizer.from_file(str(self.info.tokenizer_json))
+        return self._tokenizer
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[TokenOut]:
+        outputs: list[TokenOut] = []
+        self._drain_inbox(outputs)
+        batch = self.scheduler.schedule()
+        for req in batch.failed:
+            outputs.append(self._finish_out(req))
+        if batch.retracted:
+            log.warning(f"KV cache pool is full. Retracted {len(batch.retracted)} requests",
+                        rids=[r.rid for r in batch.retracted])
+        if batch.reqs:
+            self._run(batch, outputs)
+        if self.args.debug_check_integrity and not self.scheduler.has_work():
+            self.check_integrity()
+        return outputs
+
+    def _drain_inbox(self, outputs: list[TokenOut]) -> None:
+        with self._lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        now = time.monotonic()
+        for msg in items:
+            if isinstance(msg, AbortReq):
+                self._apply_abort(msg, outputs, now)
+            else:
+                self._add(msg, outputs, now)
+        if self.tombstones:
+            self.tombstones = {r: t for r, t in self.tombstones.items() if t > now}
+
+    def _add(self, msg: TokenizedReq, outputs: list[TokenOut], now: float) -> None:
+        if msg.rid in self.tombstones:
+            self.num_aborted_total += 1
+            del self.tombstones[msg.rid]
+            return  # aborted before it got here: never allocate anything for it
+        if msg.rid in self.requests:
+            return  # a duplicate delivery
+        req = Request.from_msg(msg)
+        req.arrival_time = now
+        error = self._validate(req)
+        self.requests[req.rid] = req
+        if error:
+            req.status = Status.FINISHED
+            req.finish = Finish(kind="error", message=error, status=400)
+            outputs.append(self._finish_out(req))
+            return
+        if needs_counts(req.params):
+            self._init_penalty_state(req)
+        if req.params.stop:
+            self._stop_text[req.rid] = _StopText(
+                self.tokenizer, req.params.skip_special_tokens, req.output_ids
+            )
+        self.prompt_tokens_total += len(req.prompt_ids)
+        self.scheduler.add(req)
+
+    def _validate(self, req: Request) -> str | None:
+        if not req.prompt_ids:
+            return "the prompt is empty"
+        if req.num_tokens >= self.max_model_len:
+            return (f"the prompt has {req.num_tokens} tokens; this model's context length is "
+                    f"{self.max_model_len}")
+        bad = [t for t in req.prompt_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            return f"token id {bad[0]} is outside the vocabulary [0, {self.runner.vocab_size})"
+        return None
+
+    def _apply_abort(self, msg: AbortReq, outputs: list[TokenOut], now: float) -> None:
+        if msg.abort_all:
+            victims = [r for r in self.requests.values() if not r.is_finished]
+        elif msg.rid in self.requests:
+            victims = [self.requests[msg.rid]]
+        else:
+            if msg.rid:
+                self.tombstones[msg.rid] = now + TOMBSTONE_SECONDS
+            victims = []
+        for req in victims:
+            if req.is_finished:
+                continue
+            self.scheduler.finish(req, Finish(kind="abort", message=msg.reason, status=499))
+            self.num_aborted_total += 1
+            outputs.append(self._finish_out(req))
+
+    def _run(self, batch: ScheduledBatch, outputs: list[TokenOut]) -> None:
+        t0 = time.perf_counter()
+        # a request samples once every token it has is computed (a prefill's last chunk, a decode)
+        sample_rows = [
+            i for i, (r, n) in enumerate(zip(batch.reqs, batch.num_new, strict=True))
+            if r.num_computed + n == r.num_tokens
+        ]
+        logits = self.runner.forward(batch.reqs, batch.num_new, sample_rows)
+        t1 = time.perf_counter()
+        self.scheduler.advance(batch)
+        self.num_steps += 1
+        stats = StepStats(
+            step=self.num_steps,
+            num_tokens=batch.num_tokens,
+            num_decode=sum(1 for n in batch.num_new if n == 1),
+            num_prefill_tokens=sum(n for n in batch.num_new if n > 1),
+            scheduled_rids=[r.rid for r in batch.reqs],
+            forward_s=t1 - t0,
+        )
+        if sample_rows:
+            reqs = [batch.reqs[i] for i in sample_rows]
+            rows = [self._sample_row(r) for r in reqs]
+            tokens, logprobs = sample(logits, rows)
+            for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
+                lp = logprobs[i] if logprobs else None
+                self._append_token(req, token, lp)
+        stats.sample_s = time.perf_counter() - t1
+        self.last_step = stats
+        for req in batch.reqs:
+            if req.first_scheduled_time is not None and not req.is_finished:
+                out = self._progress_out(req)
+                if out is not None:
+                    outputs.append(out)
+            elif req.is_finished:
+                outputs.append(self._finish_out(req))
+
+    def _sample_row(self, req: Request) -> SampleRow:
+        p = req.params
+        suppress: list[int] = []
+        if req.num_generated < p.min_new_tokens:
+            suppress = sorted((set() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids))
+        return SampleRow(
+            params=p,
+            seed=req.seed,
+            position=req.num_tokens,
+            output_counts=self._counts.get(req.rid),
+            seen_mask=self._seen.get(req.rid),
+            suppress=suppress,
+        )
+
+    def _init_penalty_state(self, req: Request) -> None:
+        dev = self.runner.device
+        counts = torch.zeros(self.runner.vocab_size, device=dev)
+        seen = torch.zeros(self.runner.vocab_size, dtype=torch.bool, device=dev)
+        seen[torch.tensor(req.prompt_ids, device=dev)] = True
+        for t in req.output_ids:
+            counts[t] += 1
+            seen[t] = True
+        self._counts[req.rid] = counts
+        self._seen[req.rid] = seen
+
+    def _append_token(self, req: Request, token: int, logprob: LogprobOut | None) -> None:
+        req.output_ids.append(token)
+        self.generation_tokens_total += 1
+        if logprob is not None:
+            req.pending_logprobs.append(logprob)
+        if req.rid in self._counts:
+            self._counts[req.rid][token] += 1
+            self._seen[req.rid][token] = True
+        finish = self._check_stop(req, token)
+        if finish is not None:
+            self.scheduler.finish(req, finish)
+
+    def _check_stop(self, req: Request, token: int) -> Finish | None:
+        p = req.params
+        past_min = req.num_generated >= p.min_new_tokens
+        if past_min and token in p.stop_token_ids:
+            return Finish(kind="stop", matched=token)
+        if past_min and not p.ignore_eos and token in self.eos_ids:
+            return Finish(kind="stop")
+        stop_text = self._stop_text.get(req.rid)
+        if stop_text is not None:
+            before = len(stop_text.text)
+            stop_text.push(token)
+            if past_min and (matched := stop_text.find(p.stop, before)) is not None:
+                return Finish(kind="stop", matched=matched)
+        limit = p.max_new_tokens if p.max_new_tokens is not None else self.max_model_len
+        if req.num_generated >= limit or req.num_tokens >= self.max_model_len:
+            return Finish(kind="length")
+        return None
+
+    # -- outputs --------------------------------------------------------------------------------
+    def _progress_out(self, req: Request) -> TokenOut | None:
+        new = req.output_ids[req.num_reported :]
+        if not new:
+            return None
+        return self._make_out(req, new)
+
+    def _finish_out(self, req: Request) -> TokenOut:
+        out = self._make_out(req, req.output_ids[req.num_reported :])
+        self._forget(req)
+        return out
+
+    def _make_out(self, req: Request, new: list[int]) -> TokenOut:
+        out = TokenOut(
+            rid=req.rid,
+            gateway_id=req.gateway_id,
+            token_ids=list(new),
+            finish=req.finish,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=req.num_generated,
+            cached_tokens=req.num_cached,
+            logprobs=req.pending_logprobs or None,
+            retractions=req.num_retractions,
+        )
+        if not req.reported_first:
+            out.first = True
+            out.stop = req.params.stop or None
+            out.skip_special_tokens = req.params.skip_special_tokens
+            out.include_stop_str_in_output = req.params.include_stop_str_in_output
+            if req.first_scheduled_time is not None:
+                out.queue_time = req.first_scheduled_time - req.arrival_time
+            req.reported_first = True
+        req.num_reported = req.num_generated
+        req.pending_logprobs = []
+        return out
+
+    def _forget(self, req: Request) -> None:
+        self.requests.pop(req.rid, None)
+        self._counts.pop(req.rid, None)
+        self._seen.pop(req.rid, None)
+        self._stop_text.pop(req.rid, None)
+
+    # -- books ----------------------------------------------------------------------------------
+    def flush_cache(self) -> tuple[bool, str]:
+        if self.scheduler.has_work():
+            return False, "cannot flush the cache while requests are running"
+        n = self.pool.flush()
+        return True, f"flushed {n} cached blocks"
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        if not self.scheduler.has_work():
+            assert not self.requests, f"requests left in the table: {list(self.requests)[:5]}"
+
+    def stats(self) -> dict:
+        pool = self.pool
+        return dict(
+            in_flight=len(self.requests),
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_total_blocks=pool.num_blocks,
+            kv_free_blocks=pool.num_free,
+            kv_cached_blocks=pool.num_cached,
+            kv_usage=pool.usage(),
+            num_retractions_total=self.scheduler.num_retractions_total,
+            num_aborted_total=self.num_aborted_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            prefix_cache_queries_total=self.scheduler.prefix_queries_total,
+            prefix_cache_hits_total=self.scheduler.prefix_hits_total,
+            num_steps_total=self.num_steps,
+        )
+
+    def server_info(self) -> dict:
+        return {
+            "model": self.info.name,
+            "max_model_len": self.max_model_len,
+            **self.runner.info(),
+            "page_size": self.args.page_size,
+            "max_running_requests": self.args.max_running_requests,
+            "chunked_prefill_size": self.args.chunked_prefill_size,
+            "max_prefill_tokens": self.args.max_prefill_tokens,
+            "schedule_policy": self.args.schedule_policy,
+            "retraction_policy": self.args.retraction_policy,
+            "batching": self.args.batching,
+            "prefix_cache": not self.args.disable_prefix_cache,
+        }

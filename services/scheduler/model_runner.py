@@ -1,0 +1,170 @@
+"""Owns the model and the KV tensors; turns a scheduled batch into one packed forward pass."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from common.logging import get_logger
+from services.scheduler.attention.base import AttentionMetadata, get_backend
+from services.scheduler.models.llama import LlamaForCausalLM
+from services.scheduler.request import Request
+
+log = get_logger("model_runner")
+
+GiB = 1 << 30
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_path: Path,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        attention_backend: str = "auto",
+        page_size: int = 16,
+        max_total_tokens: int | None = None,
+        mem_fraction_static: float = 0.9,
+        cpu_memory_gib: float = 4.0,
+        max_model_len: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.config = json.loads((model_path / "config.json").read_text())
+        arch = (self.config.get("architectures") or ["LlamaForCausalLM"])[0]
+        if self.config.get("model_type") not in ("llama", "mistral") and "Llama" not in arch:
+            raise ValueError(f"unsupported model type {self.config.get('model_type')!r}: "
+                             "tokenline runs the Llama family")
+        self.max_model_len = max_model_len or int(self.config.get("max_position_embeddings", 2048))
+        self.page_size = page_size
+        self.backend = get_backend(attention_backend, self.device)
+        with torch.device(self.device):
+            model = LlamaForCausalLM(self.config, self.backend, self.max_model_len)
+        model.load_weights(model_path)
+        self.model = model.to(self.dtype).eval()
+        self.model.rotary.float()  # positions stay exact in float32
+        c = self.config
+        self.num_layers = c["num_hidden_layers"]
+        self.num_kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
+        self.head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        self.vocab_size = c["vocab_size"]
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        self.num_blocks = self._size_pool(max_total_tokens, mem_fraction_static, cpu_memory_gib)
+        slots = self.num_blocks * page_size
+        shape = (slots, self.num_kv_heads, self.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.dtype, device=self.device))
+            for _ in range(self.num_layers)
+        ]
+        self.kv_bytes = 2 * self.num_layers * slots * self.num_kv_heads * self.head_dim * (
+            torch.finfo(self.dtype).bits // 8
+        )
+        log.info(f"KV cache: {slots} tokens in {self.num_blocks} blocks of {page_size} tokens, "
+                 f"{self.kv_bytes / GiB:.2f} GiB", device=str(self.device), dtype=str(self.dtype),
+                 backend=self.backend.name)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * (
+            torch.finfo(self.dtype).bits // 8
+        )
+
+    def _size_pool(self, max_total_tokens: int | None, fraction: float, cpu_gib: float) -> int:
+        if max_total_tokens:
+            return max(1, -(-max_total_tokens // self.page_size))
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * fraction - (total - free)
+        else:
+            budget = cpu_gib * GiB * fraction - self.weight_bytes
+        # Activations of the largest step: a few hidden-size and vocab-size buffers per token.
+        activation = 4096 * (self.config["hidden_size"] * 16 + self.vocab_size) * 4
+        tokens = int((budget - activation) // self.kv_bytes_per_token)
+        if tokens < self.page_size * 4:
+            raise ValueError(
+                f"no room for a KV cache: {budget / GiB:.2f} GiB left after weights; raise "
+                "--mem-fraction-static / --cpu-memory-gib or set --max-total-tokens"
+            )
+        return tokens // self.page_size
+
+    def info(self) -> dict:
+        return {
+            "kv_cache": {
+                "num_tokens": self.num_blocks * self.page_size,
+                "num_blocks": self.num_blocks,
+                "page_size": self.page_size,
+                "bytes": self.kv_bytes,
+                "dtype": str(self.dtype).removeprefix("torch."),
+            },
+            "model_config": {
+                "num_hidden_layers": self.num_layers,
+                "num_key_value_heads": self.num_kv_heads,
+                "head_dim": self.head_dim,
+                "hidden_size": self.config["hidden_size"],
+                "num_parameters": self.num_parameters,
+            },
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "attention_backend": self.backend.name,
+        }
+
+    @torch.inference_mode()
+    def forward(self, reqs: list[Request], num_new: list[int], sample_rows: list[int]):
+        """Compute the new tokens of every request; logits only for rows in `sample_rows`."""
+        p = self.page_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        seq_lens = []
+        for req, n in zip(reqs, num_new, strict=True):
+            begin = req.num_computed
+            tokens = req.tokens
+            ids += tokens[begin : begin + n]
+            table = req.block_table
+            for pos in range(begin, begin + n):
+                positions.append(pos)
+                slots.append(table[pos // p] * p + pos % p)
+            starts.append(starts[-1] + n)
+            seq_lens.append(begin + n)
+        width = max(len(r.block_table) for r in reqs)
+        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in reqs]
+        dev = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_lens_cpu=list(num_new),
+            seq_lens_cpu=seq_lens,
+            page_size=p,
+        )
+        logits_idx = torch.tensor([starts[i + 1] - 1 for i in sample_rows], device=dev)
+        return self.model(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            self.kv_caches,
+            logits_idx,
+        )

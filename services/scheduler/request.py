@@ -1,0 +1,92 @@
+"""A request inside the engine, and its life cycle.
+
+    WAITING --schedule--> RUNNING --finish--> FINISHED (stop | length | abort | error)
+       ^                     |
+       +------retract--------+   blocks freed, tokens kept, resumed by recomputation
+
+A request's tokens, prompt then output:
+
+    [0, num_cached)             reused from the prefix cache at admission
+    [num_cached, num_computed)  KV computed by earlier steps
+    [num_computed, len(tokens)) still to compute: a prefill chunk, or the one decode token
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+import time
+from dataclasses import dataclass, field
+
+from common.messages import Finish, SamplingParams, TokenizedReq
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    gateway_id: str = ""
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish: Finish | None = None
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
+    num_computed: int = 0
+    num_cached: int = 0  # prompt tokens served from the prefix cache at (first) admission
+    num_retractions: int = 0
+    first_scheduled_time: float | None = None
+    seed: int = 0
+    # what has been reported so far (outputs resumed from elsewhere count as reported)
+    num_reported: int = 0
+    reported_first: bool = False
+    pending_logprobs: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # An unseeded request still gets a fixed seed, so retraction never changes its text.
+        self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
+        self.num_reported = len(self.output_ids)
+        self.initial_outputs = len(self.output_ids)
+
+    @classmethod
+    def from_msg(cls, msg: TokenizedReq) -> Request:
+        return cls(
+            rid=msg.rid,
+            prompt_ids=list(msg.input_ids),
+            params=msg.params,
+            gateway_id=msg.gateway_id,
+            priority=msg.priority,
+            output_ids=list(msg.output_ids),
+        )
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_to_compute(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]

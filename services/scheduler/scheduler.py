@@ -1,0 +1,299 @@
+"""Iteration-level scheduling: which requests run this step, with how many tokens each.
+
+Each step: every running request that is decoding gets its one token; running requests that
+are still prefilling, then waiting requests, get prompt chunks within the step's prefill
+budget. A step that cannot get KV blocks retracts running requests by the retraction policy.
+The scheduler only keeps the books; the model runner does the compute.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.messages import Finish
+from services.scheduler.kv_pool import ROOT_HASH, BlockPool, block_hash
+from services.scheduler.request import Request, Status
+
+
+@dataclass
+class SchedulerConfig:
+    max_running_requests: int = 128
+    chunked_prefill_size: int = 512
+    max_prefill_tokens: int = 2048
+    schedule_policy: str = "fcfs"  # fcfs | lpm | priority
+    retraction_policy: str = "length"  # length | priority
+    batching: str = "continuous"  # continuous | static | dynamic
+    batch_wait_ms: float = 20.0
+    max_model_len: int = 8192
+    # Admission reserves this fraction of each running request's remaining output (SGLang's
+    # new-token ratio). It decays while all goes well and jumps back after a retraction, so a
+    # retracted request is readmitted only with headroom: no retraction storms.
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+
+
+@dataclass
+class ScheduledBatch:
+    reqs: list[Request] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)  # tokens computed per request this step
+    retracted: list[Request] = field(default_factory=list)
+    failed: list[Request] = field(default_factory=list)  # finished with an error while scheduling
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, pool: BlockPool) -> None:
+        self.config = config
+        self.pool = pool
+        self.page_size = pool.page_size
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.new_token_ratio = config.init_new_token_ratio
+        self.num_retractions_total = 0
+        self.prefix_queries_total = 0
+        self.prefix_hits_total = 0
+
+    # -- queue --------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out of whichever queue holds it (abort or error)."""
+        if req.status is Status.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step -----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        prefill_budget = self.config.max_prefill_tokens
+        decoding = [r for r in self.running if r.num_to_compute == 1]
+        prefilling = [r for r in self.running if r.num_to_compute > 1]
+        for req in decoding + prefilling:
+            if req.status is not Status.RUNNING:
+                continue  # retracted as a victim earlier in this loop
+            n = 1 if req.num_to_compute == 1 else min(
+                req.num_to_compute, self.config.chunked_prefill_size, prefill_budget
+            )
+            if n <= 0:
+                continue
+            if not self._reserve_blocks(req, n, batch):
+                continue
+            if n > 1 or req.num_computed < len(req.prompt_ids):
+                prefill_budget -= n
+            batch.reqs.append(req)
+            batch.num_new.append(n)
+        self._admit(batch, prefill_budget)
+        self._update_ratio(batch)
+        return batch
+
+    def _reserve_blocks(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
+        """Get blocks for `n` more tokens of a running request, retracting others if needed."""
+        need = self._blocks_needed(req, n)
+        while need > self.pool.num_evictable:
+            victim = self._pick_victim()
+            if victim is req and len(self.running) == 1:
+                self._fail(req, batch, self._too_big_message(req))
+                return False
+            self._retract(victim, batch)
+            if victim is req:
+                return False
+        req.block_table += self.pool.allocate(need)
+        return True
+
+    def _admit(self, batch: ScheduledBatch, prefill_budget: int) -> None:
+        if not self._may_admit():
+            return
+        limit = self.config.max_running_requests
+        static = self.config.batching != "continuous"
+        self._order_waiting()
+        while self.waiting and len(self.running) < limit and (prefill_budget > 0 or static):
+            req = self.waiting[0]
+            if not self._fits(req):
+                if self.running:
+                    break
+                self.waiting.popleft()
+                self._fail(req, batch, self._too_big_message(req))
+                continue
+            if not self._headroom_ok(req):
+                break
+            self.waiting.popleft()
+            self._match_prefix(req)
+            req.status = Status.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+            self.running.append(req)
+            n = min(req.num_to_compute, self.config.chunked_prefill_size, prefill_budget)
+            if n <= 0:
+                continue  # static batching: admitted now, prefilled in later steps
+            need = self._blocks_needed(req, n)
+            if need > self.pool.num_evictable:
+                continue  # admitted; its prefill waits for blocks in a later step
+            req.block_table += self.pool.allocate(need)
+            prefill_budget -= n
+            batch.reqs.append(req)
+            batch.num_new.append(n)
+
+    def _may_admit(self) -> bool:
+        if self.config.batching == "continuous":
+            return True
+        if self.running:
+            return False  # static and dynamic: a new group only once the last one is done
+        if self.config.batching == "dynamic" and self.waiting:
+            full = len(self.waiting) >= self.config.max_running_requests
+            waited = (time.monotonic() - self.waiting[0].arrival_time) * 1000
+            return full or waited >= self.config.batch_wait_ms
+        return True
+
+    def _order_waiting(self) -> None:
+        policy = self.config.schedule_policy
+        if policy == "priority":
+            self.waiting = deque(sorted(self.waiting, key=lambda r: -r.priority))  # stable
+        elif policy == "lpm" and 1 < len(self.waiting) <= 128:
+            # Longest cached prefix first; on a long queue matching costs more than it saves.
+            self.waiting = deque(
+                sorted(self.waiting, key=lambda r: -len(self.pool.match_prefix(self._hashes(r))))
+            )
+
+    def _fits(self, req: Request) -> bool:
+        """Could this request ever fit: its tokens so far plus one more in the whole pool?"""
+        return self._num_blocks(req.num_tokens + 1) <= self.pool.num_blocks
+
+    def _headroom_ok(self, req: Request) -> bool:
+        if not self.running:
+            return True
+        want = sum(self._future_tokens(r) for r in self.running) + self._future_tokens(req)
+        return want <= self.pool.num_evictable * self.page_size
+
+    def _future_tokens(self, req: Request) -> int:
+        limit = req.params.max_new_tokens
+        if limit is None:
+            limit = self.config.max_model_len - len(req.prompt_ids)
+        remaining_out = max(0, limit - req.num_generated)
+        return req.num_to_compute + int(remaining_out * self.new_token_ratio)
+
+    def _update_ratio(self, batch: ScheduledBatch) -> None:
+        if batch.retracted:
+            self.new_token_ratio = min(1.0, self.new_token_ratio + 0.3)
+        else:
+            self.new_token_ratio = max(
+                self.config.min_new_token_ratio,
+                self.new_token_ratio - self.config.new_token_ratio_decay,
+            )
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def _hashes(self, req: Request) -> list[bytes]:
+        """Hashes of the request's full blocks that a prefix hit may cover (never the last token)."""
+        usable = (req.num_tokens - 1) // self.page_size
+        self._extend_hashes(req, usable)
+        return req.block_hashes[:usable]
+
+    def _extend_hashes(self, req: Request, num_blocks: int) -> None:
+        p = self.page_size
+        hashes = req.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(block_hash(parent, req.tokens[i * p : (i + 1) * p]))
+
+    def _match_prefix(self, req: Request) -> None:
+        if req.num_computed or req.block_table:
+            return
+        first_time = req.num_retractions == 0
+        if first_time:
+            self.prefix_queries_total += len(req.prompt_ids)
+        if not self.pool.enable_prefix_cache:
+            return
+        hits = self.pool.match_prefix(self._hashes(req))
+        self.pool.acquire(hits)
+        req.block_table = list(hits)
+        req.num_computed = len(hits) * self.page_size
+        if first_time:
+            req.num_cached = min(req.num_computed, len(req.prompt_ids))
+            self.prefix_hits_total += req.num_cached
+
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Make the request's fully computed blocks findable (after a step, abort or finish)."""
+        if not self.pool.enable_prefix_cache:
+            return
+        full = min(req.num_computed, req.num_tokens) // self.page_size
+        self._extend_hashes(req, full)
+        for i in range(full):
+            self.pool.register(req.block_table[i], req.block_hashes[i])
+
+    # -- leaving ------------------------------------------------------------------------------
+    def free(self, req: Request) -> None:
+        self.cache_computed_blocks(req)
+        self.pool.release(req.block_table)
+        req.block_table = []
+
+    def finish(self, req: Request, finish: Finish) -> None:
+        self.remove(req)
+        self.free(req)
+        req.status = Status.FINISHED
+        req.finish = finish
+
+    def _fail(self, req: Request, batch: ScheduledBatch, message: str) -> None:
+        self.finish(req, Finish(kind="error", message=message, status=400))
+        batch.failed.append(req)
+
+    def _too_big_message(self, req: Request) -> str:
+        cap = self.pool.num_blocks * self.page_size
+        return (f"request needs {req.num_tokens + 1} tokens of KV cache but the whole pool "
+                f"holds {cap}; raise --max-total-tokens or shorten the prompt")
+
+    # -- retraction ---------------------------------------------------------------------------
+    def _pick_victim(self) -> Request:
+        if self.config.retraction_policy == "priority":
+            key = lambda r: (r.priority, r.num_generated, -len(r.prompt_ids))  # noqa: E731
+        else:
+            key = lambda r: (r.num_generated, -len(r.prompt_ids))  # noqa: E731
+        # Among equals the latest admitted goes first: it has the least work to redo.
+        return min(reversed(self.running), key=key)
+
+    def _retract(self, req: Request, batch: ScheduledBatch) -> None:
+        """Free a running request's blocks and requeue it at the front; it resumes by recompute."""
+        if req in batch.reqs:
+            i = batch.reqs.index(req)
+            del batch.reqs[i], batch.num_new[i]
+        self.running.remove(req)
+        self.free(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        req.num_retractions += 1
+        self.num_retractions_total += 1
+        self.waiting.appendleft(req)
+        batch.retracted.append(req)
+
+    # -- after the forward ----------------------------------------------------------------------
+    def advance(self, batch: ScheduledBatch) -> None:
+        for req, n in zip(batch.reqs, batch.num_new, strict=True):
+            req.num_computed += n
+            self.cache_computed_blocks(req)
+
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        return max(0, self._num_blocks(req.num_computed + n) - len(req.block_table))
+
+    def _num_blocks(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        held = sum(len(r.block_table) for r in self.running)
+        assert not any(r.block_table for r in self.waiting), "waiting request holds blocks"
+        if not self.running:
+            assert self.pool.num_used == 0, f"{self.pool.num_used} blocks leaked while idle"
+        assert held >= self.pool.num_used or self.pool.enable_prefix_cache

@@ -1,0 +1,106 @@
+"""The tokenizer service: GenerateReq in, TokenizedReq out to a scheduler (or an error back)."""
+
+from __future__ import annotations
+
+import time
+
+from common.config import ServerArgs
+from common.logging import get_logger
+from common.messages import AbortReq, ErrorOut, GenerateReq, Message, StatsOut, TokenizedReq
+from common.modelstore import model_info, prepare_model
+from common.service import Service
+from common.subjects import TOKENIZER_QUEUE
+from services.tokenizer.tokenize import InputError, TextTokenizer
+
+log = get_logger("tokenizer")
+
+ABORT_MEMORY_S = 30.0
+
+
+class TokenizerService(Service):
+    name = "tokenizer"
+
+    def __init__(self, args: ServerArgs) -> None:
+        super().__init__(args)
+        self.info = model_info(prepare_model(args.model, args.cache_dir), args.served_model_name,
+                               args.model)
+        self.max_model_len = args.max_model_len or self.info.max_model_len
+        self.tok = TextTokenizer(self.info)
+        self.in_flight: set[str] = set()
+        self.aborted: dict[str, float] = {}
+
+    async def setup(self) -> None:
+        await self.bus.subscribe(self.subjects.tokenizer, self.on_request, queue=TOKENIZER_QUEUE)
+        await self.bus.subscribe(self.subjects.abort, self.on_abort)
+
+    def stats(self) -> StatsOut:
+        s = super().stats()
+        s.in_flight = len(self.in_flight)
+        return s
+
+    async def on_abort(self, msg: Message, headers: dict[str, str]) -> None:
+        if isinstance(msg, AbortReq) and msg.rid:
+            now = time.monotonic()
+            self.aborted[msg.rid] = now + ABORT_MEMORY_S
+            self.aborted = {r: t for r, t in self.aborted.items() if t > now}
+
+    async def on_request(self, msg: Message, headers: dict[str, str]) -> None:
+        if not isinstance(msg, GenerateReq):
+            return
+        self.in_flight.add(msg.rid)
+        try:
+            if msg.rid in self.aborted:
+                return  # the scheduler never hears of it
+            try:
+                out = self.tokenize(msg)
+            except InputError as exc:
+                await self.bus.publish(
+                    self.subjects.gateway(msg.gateway_id),
+                    ErrorOut(rid=msg.rid, message=str(exc), status=exc.status, param=exc.param),
+                    headers,
+                )
+                return
+            subject = (self.subjects.scheduler_instance(msg.scheduler_id) if msg.scheduler_id
+                       else self.subjects.scheduler)
+            await self.bus.publish(subject, out, headers)
+        finally:
+            self.in_flight.discard(msg.rid)
+
+    def tokenize(self, msg: GenerateReq) -> TokenizedReq:
+        if msg.input_ids is not None:
+            ids = list(msg.input_ids)
+            bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)
+            if bad is not None:
+                raise InputError(f"token id {bad} is outside the vocabulary "
+                                 f"[0, {self.info.vocab_size})", "prompt")
+        elif msg.messages is not None:
+            ids = self.tok.encode_chat(msg.messages, msg.add_generation_prompt)
+        else:
+            ids = self.tok.encode(msg.text or "")
+        if not ids:
+            raise InputError("the prompt is empty", "prompt")
+        params = msg.params
+        room = self.max_model_len - len(ids)
+        if params.max_new_tokens is None:
+            if room <= 0:
+                raise InputError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. "
+                    f"However, your prompt has {len(ids)} tokens.", "messages")
+            params.max_new_tokens = room
+        elif len(ids) + params.max_new_tokens > self.max_model_len:
+            raise InputError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {len(ids) + params.max_new_tokens} tokens ({len(ids)} in the "
+                f"prompt, {params.max_new_tokens} for the completion). Please reduce the prompt "
+                "or max_tokens.",
+                "max_tokens",
+            )
+        return TokenizedReq(
+            rid=msg.rid,
+            gateway_id=msg.gateway_id,
+            input_ids=ids,
+            params=params,
+            priority=msg.priority,
+            arrival_time=msg.arrival_time,
+            output_ids=msg.output_ids,
+        )
