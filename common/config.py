@@ -35,7 +35,8 @@ class ServerArgs:
     # engine
     device: str = _flag("auto", "cpu, cuda or auto")
     dtype: str = _flag("auto", "float32, bfloat16, float16 or auto (float32 on CPU, bf16 on CUDA)")
-    attention_backend: str = _flag("auto", "auto, torch or triton", choices=["auto", "torch", "triton"])
+    attention_backend: str = _flag("auto", "auto, torch or triton",
+                                   choices=["auto", "torch", "triton"])
     num_threads: int | None = _flag(None, "torch CPU threads of the model worker")
     page_size: int = _flag(16, "tokens per KV block")
     max_total_tokens: int | None = _flag(None, "KV pool size in tokens (overrides the fraction)")

@@ -113,7 +113,9 @@ class ModelInfo:
     config: dict
 
 
-def model_info(path: Path, served_name: str | None = None, model_arg: str | None = None) -> ModelInfo:
+def model_info(
+    path: Path, served_name: str | None = None, model_arg: str | None = None
+) -> ModelInfo:
     config = json.loads((path / "config.json").read_text())
     tok_cfg_path = path / "tokenizer_config.json"
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}

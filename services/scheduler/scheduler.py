@@ -196,7 +196,7 @@ class Scheduler:
 
     # -- prefix cache ---------------------------------------------------------------------------
     def _hashes(self, req: Request) -> list[bytes]:
-        """Hashes of the request's full blocks that a prefix hit may cover (never the last token)."""
+        """Hashes of the full blocks a prefix hit may cover (never the last token)."""
         usable = (req.num_tokens - 1) // self.page_size
         self._extend_hashes(req, usable)
         return req.block_hashes[:usable]

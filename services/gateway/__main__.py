@@ -1,0 +1,5 @@
+from common.service import main
+from services.gateway.server import GatewayService
+
+if __name__ == "__main__":
+    main(GatewayService, "gateway")

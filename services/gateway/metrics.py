@@ -1,0 +1,110 @@
+"""/metrics: vLLM's metric names under `tokenline:`.
+
+Latency histograms come from the event times the tracker stamps as outputs arrive (arrival,
+first token, each token, finish) on one monotonic clock. Scheduler gauges and counters come
+from the schedulers' heartbeats, summed over live instances, read at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from common.messages import TextOut
+
+if TYPE_CHECKING:
+    from services.gateway.server import GatewayService
+    from services.gateway.tracker import SubRequest
+
+P = "tokenline:"
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+class _SchedulerCollector:
+    """Gauges and counters from the latest heartbeat of every live scheduler."""
+
+    GAUGES = {
+        "num_requests_running": ("num_running", "Requests in the running batch."),
+        "num_requests_waiting": ("num_waiting", "Requests waiting to be scheduled."),
+        "kv_cache_usage_perc": ("kv_usage", "Fraction of KV blocks in use (1 = full)."),
+        "kv_cache_free_blocks": ("kv_free_blocks", "KV blocks free."),
+        "kv_cache_cached_blocks": ("kv_cached_blocks", "Unreferenced blocks held by the "
+                                                       "prefix cache."),
+        "kv_cache_total_blocks": ("kv_total_blocks", "KV blocks in the pool."),
+    }
+    COUNTERS = {
+        "num_retractions": ("num_retractions_total", "Requests retracted when KV ran out."),
+        "num_requests_aborted": ("num_aborted_total", "Requests aborted."),
+        "prompt_tokens": ("prompt_tokens_total", "Prompt tokens received."),
+        "generation_tokens": ("generation_tokens_total", "Tokens generated."),
+        "prefix_cache_queries": ("prefix_cache_queries_total", "Prompt tokens looked up in the "
+                                                               "prefix cache."),
+        "prefix_cache_hits": ("prefix_cache_hits_total", "Prompt tokens found in the prefix "
+                                                         "cache."),
+    }
+
+    def __init__(self, model_name: str, gateway: GatewayService) -> None:
+        self.model_name = model_name
+        self.gateway = gateway
+
+    def collect(self):
+        gw = self.gateway
+        scheds = gw.alive("scheduler")
+        for name, (field, doc) in self.GAUGES.items():
+            g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
+            values = [getattr(s, field) for s in scheds]
+            if field == "kv_usage":
+                value = sum(values) / len(values) if values else 0.0
+            else:
+                value = sum(values)
+            g.add_metric([self.model_name], value)
+            yield g
+        for name, (field, doc) in self.COUNTERS.items():
+            c = CounterMetricFamily(P + name, doc, labels=["model_name"])
+            # dead schedulers' last counts stay in: counters never go down on a scrape
+            c.add_metric([self.model_name], sum(getattr(s, field) for (svc, _), s in
+                                                gw.peers.items() if svc == "scheduler"))
+            yield c
+        inflight = GaugeMetricFamily(P + "requests_in_flight",
+                                     "Requests each service holds state for (leaks show here).",
+                                     labels=["service"])
+        inflight.add_metric(["gateway"], len(gw.tracker))
+        for svc in ("tokenizer", "scheduler", "detokenizer"):
+            inflight.add_metric([svc], sum(s.in_flight for s in gw.alive(svc)))
+        yield inflight
+
+
+class Metrics:
+    def __init__(self, model_name: str, gateway: GatewayService) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        self.model_name = model_name
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(P + name, doc, labels, buckets=LATENCY_BUCKETS,
+                             registry=self.registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to the first token.")
+        self.itl = hist("inter_token_latency_seconds", "Time between outputs of a request.")
+        self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.")
+        self.queue = hist("request_queue_time_seconds", "Time waiting in the scheduler.")
+        self.registry.register(_SchedulerCollector(model_name, gateway))
+
+    def observe_finished(self, sub: SubRequest, out: TextOut) -> None:
+        m = self.model_name
+        now = time.monotonic()
+        self.e2e.labels(m).observe(now - sub.arrival)
+        if sub.first_token is not None:
+            self.ttft.labels(m).observe(sub.first_token - sub.arrival)
+        for gap in sub.itls:
+            self.itl.labels(m).observe(gap)
+        if sub.queue_time is not None:
+            self.queue.labels(m).observe(sub.queue_time)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

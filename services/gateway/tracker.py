@@ -1,0 +1,110 @@
+"""Requests this gateway owns: where their outputs go and when they are overdue."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from common.messages import ErrorOut, Finish, GenerateReq, LogprobOut, TextOut
+
+
+@dataclass
+class SubRequest:
+    """One sequence the engine generates (a choice of a request with n > 1 is one each)."""
+
+    msg: GenerateReq
+    index: int
+    queue: asyncio.Queue
+    finished: bool = False
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    scheduler_id: str | None = None
+    finish: Finish | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    queue_time: float | None = None
+    retractions: int = 0
+    all_logprobs: list[LogprobOut] = field(default_factory=list)
+    # event times on one monotonic clock, for the latency metrics
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    itls: list[float] = field(default_factory=list)
+
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.finish is None else self.finish.kind
+
+
+@dataclass
+class Event:
+    index: int
+    out: TextOut | ErrorOut | None  # None: the deadline passed
+
+
+class Tracker:
+    def __init__(self) -> None:
+        self.subs: dict[str, SubRequest] = {}
+
+    def __len__(self) -> int:
+        return len(self.subs)
+
+    def add(self, msg: GenerateReq, index: int, queue: asyncio.Queue) -> SubRequest:
+        sub = SubRequest(msg=msg, index=index, queue=queue)
+        self.subs[msg.rid] = sub
+        return sub
+
+    def remove(self, rid: str) -> None:
+        self.subs.pop(rid, None)
+
+    def deliver(self, out: TextOut | ErrorOut) -> None:
+        sub = self.subs.get(out.rid)
+        if sub is None:
+            return  # a request this gateway already gave up on
+        now = time.monotonic()
+        if isinstance(out, TextOut):
+            if out.token_ids:
+                if sub.first_token is None:
+                    sub.first_token = now
+                elif sub.last_token is not None:
+                    sub.itls.append(now - sub.last_token)
+                sub.last_token = now
+            if out.scheduler_id:
+                sub.scheduler_id = out.scheduler_id
+            sub.prompt_tokens = out.prompt_tokens or sub.prompt_tokens
+            sub.cached_tokens = out.cached_tokens or sub.cached_tokens
+            sub.retractions = max(sub.retractions, out.retractions)
+            if out.queue_time is not None:
+                sub.queue_time = out.queue_time
+            if out.logprobs:
+                sub.all_logprobs += out.logprobs
+            if out.finish is not None:
+                sub.finish = out.finish
+        sub.queue.put_nowait(Event(sub.index, out))
+
+
+async def events(
+    queue: asyncio.Queue, subs: list[SubRequest], first_timeout: float, inter_timeout: float
+) -> AsyncIterator[Event]:
+    """Outputs of a request's sequences as they come, until every one has finished."""
+    pending = len(subs)
+    got_any = False
+    while pending:
+        timeout = inter_timeout if got_any else first_timeout
+        try:
+            ev: Event = await asyncio.wait_for(queue.get(), timeout)
+        except TimeoutError:
+            yield Event(-1, None)
+            return
+        got_any = True
+        sub = subs[ev.index]
+        if sub.finished:
+            continue
+        out = ev.out
+        if isinstance(out, ErrorOut) or (out is not None and out.finish is not None):
+            sub.finished = True
+            pending -= 1
+        yield ev

@@ -1,0 +1,127 @@
+"""`tokenline serve`: an embedded NATS server and the four services as supervised children."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+from common.config import ServerArgs, parse_server_args, to_argv
+from common.logging import configure, get_logger
+from common.modelstore import prepare_model
+from services.launcher.nats import NatsServer, die_with_parent
+
+log = get_logger("launcher")
+
+SERVICES = ("detokenizer", "tokenizer", "scheduler", "gateway")
+RESTART_BACKOFF_S = (0.5, 1, 2, 4, 8)
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        self.argv = argv
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.next_start = 0.0
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", f"services.{self.name}", *self.argv],
+            preexec_fn=die_with_parent,
+        )
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+class Launcher:
+    def __init__(self, args: ServerArgs) -> None:
+        self.args = args
+        self.nats: NatsServer | None = None
+        self.children: list[Child] = []
+        self.stopping = False
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        t0 = time.monotonic()
+        prepare_model(self.args.model, self.args.cache_dir)  # convert once, before the children
+        args = self.args
+        if not args.nats_url:
+            self.nats = NatsServer(user=args.nats_user, password=args.nats_password,
+                                   token=args.nats_token).start()
+            args = dataclasses.replace(args, nats_url=self.nats.url)
+            log.info("embedded NATS server", url=self.nats.url)
+        argv = to_argv(dataclasses.replace(args, instance_id=None))
+        self.children = [Child(name, argv) for name in SERVICES]
+        for child in self.children:
+            child.start()
+        ready = False
+        url = f"http://{args.host}:{args.port}"
+        try:
+            while not self.stopping:
+                self._supervise()
+                if not ready and self._healthy(url):
+                    ready = True
+                    print(f"tokenline ready at {url} ({time.monotonic() - t0:.1f}s)", flush=True)
+                time.sleep(0.2)
+        finally:
+            self.shutdown()
+        return 0
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stopping = True
+
+    def _supervise(self) -> None:
+        now = time.monotonic()
+        for child in self.children:
+            if child.alive() or self.stopping:
+                continue
+            if child.proc is not None and child.next_start == 0.0:
+                code = child.proc.returncode
+                delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
+                log.warning(f"{child.name} exited; restarting", code=code, in_s=delay)
+                child.next_start = now + delay
+            if now >= child.next_start:
+                child.restarts += 1
+                child.next_start = 0.0
+                child.start()
+
+    def _healthy(self, url: str) -> bool:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                return r.status == 200
+        except Exception:  # noqa: BLE001
+            return False
+
+    def shutdown(self) -> None:
+        for child in self.children:
+            if child.alive():
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for child in self.children:
+            if child.proc is None:
+                continue
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+        if self.nats:
+            self.nats.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_server_args(argv, prog="tokenline serve")
+    configure("launcher", args.log_level)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return Launcher(args).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

