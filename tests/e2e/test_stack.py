@@ -1,0 +1,137 @@
+"""The whole stack through `tokenline serve` with the real SmolLM2, over real HTTP clients."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from tests.helpers import Stack
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def stack():
+    with Stack() as s:
+        yield s
+
+
+async def _chat(url: str, **body) -> dict:
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/chat/completions", json=body) as r:
+            assert r.status == 200, await r.text()
+            return await r.json()
+
+
+async def _stream(url: str, path: str, **body) -> tuple[list[dict], bool]:
+    chunks, done = [], False
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}{path}", json={**body, "stream": True}) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            async for line in r.content:
+                line = line.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                if line == b"data: [DONE]":
+                    done = True
+                    continue
+                chunks.append(json.loads(line[6:]))
+    return chunks, done
+
+
+async def test_greedy_chat_answers_paris(stack):
+    out = await _chat(stack.url, messages=QUESTION, temperature=0, max_tokens=32)
+    choice = out["choices"][0]
+    assert "Paris" in choice["message"]["content"]
+    assert choice["finish_reason"] in ("stop", "length")
+    usage = out["usage"]
+    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+
+
+async def test_streamed_and_unstreamed_text_are_equal(stack):
+    body = dict(messages=[{"role": "user", "content": "Name three fruits."}], temperature=0,
+                max_tokens=40)
+    whole = await _chat(stack.url, **body)
+    chunks, done = await _stream(stack.url, "/v1/chat/completions", **body,
+                                 stream_options={"include_usage": True})
+    assert done
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert text == whole["choices"][0]["message"]["content"]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finals[-1] == whole["choices"][0]["finish_reason"]
+    assert chunks[-1]["usage"] == whole["usage"] | {"prompt_tokens_details":
+                                                    chunks[-1]["usage"]["prompt_tokens_details"]}
+
+
+async def test_completions_stream_and_not(stack):
+    body = dict(prompt="The capital of France is", temperature=0, max_tokens=12)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{stack.url}/v1/completions", json=body) as r:
+            whole = await r.json()
+    chunks, done = await _stream(stack.url, "/v1/completions", **body)
+    assert done
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert "Paris" in whole["choices"][0]["text"]
+    assert whole["object"] == "text_completion"
+
+
+async def test_openai_client_streaming_and_not(stack):
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=stack.url + "/v1", api_key="none")
+    models = await client.models.list()
+    model = models.data[0].id
+    resp = await client.chat.completions.create(model=model, messages=QUESTION, temperature=0,
+                                                max_tokens=32)
+    assert "Paris" in resp.choices[0].message.content
+    stream = await client.chat.completions.create(model=model, messages=QUESTION, temperature=0,
+                                                  max_tokens=32, stream=True)
+    parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+    assert "".join(parts) == resp.choices[0].message.content
+    comp = await client.completions.create(model=model, prompt="1, 2, 3,", max_tokens=6,
+                                           temperature=0)
+    assert comp.choices[0].text.strip().startswith("4")
+    await client.close()
+
+
+async def test_generate_native_route(stack):
+    async with aiohttp.ClientSession() as http:
+        body = {"text": "The capital of France is",
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        async with http.post(f"{stack.url}/generate", json=body) as r:
+            out = await r.json()
+    assert "Paris" in out["text"]
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == len(out["output_ids"]) <= 8
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    chunks, done = await _stream(stack.url, "/generate", **body)
+    assert chunks[-1]["text"] == out["text"]  # SGLang streams the cumulative text
+
+
+async def test_concurrent_requests_match_one_at_a_time(stack):
+    prompts = [f"Count from {i}:" for i in range(6)]
+
+    async def one(p):
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{stack.url}/v1/completions",
+                                 json={"prompt": p, "max_tokens": 16, "temperature": 0}) as r:
+                return (await r.json())["choices"][0]["text"]
+
+    alone = [await one(p) for p in prompts]
+    together = await asyncio.gather(*(one(p) for p in prompts))
+    assert list(together) == alone
+
+
+async def test_health_and_models(stack):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{stack.url}/health") as r:
+            assert r.status == 200
+        async with http.get(f"{stack.url}/v1/models") as r:
+            data = (await r.json())["data"]
+    assert data[0]["id"] == "SmolLM2-135M-Instruct"

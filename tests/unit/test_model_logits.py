@@ -1,0 +1,60 @@
+"""Our Llama forward gives transformers' logits (float32) on a tiny model and on SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.scheduler.attention.base import AttentionMetadata
+from services.scheduler.model_runner import ModelRunner
+
+
+def our_logits(runner: ModelRunner, ids: list[int], chunk: int | None = None) -> torch.Tensor:
+    """Logits of every position, computed in chunks through the paged cache."""
+    p = runner.page_size
+    n = len(ids)
+    blocks = list(range(-(-n // p)))[::-1]  # reversed block order: the table must be honoured
+    out = []
+    chunk = chunk or n
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        pos = torch.arange(start, end)
+        slots = torch.tensor([blocks[i // p] * p + i % p for i in range(start, end)])
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, end - start], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            block_tables=torch.tensor([blocks], dtype=torch.int32),
+            slot_mapping=slots,
+            query_lens_cpu=[end - start],
+            seq_lens_cpu=[end],
+            page_size=p,
+        )
+        with torch.inference_mode():
+            out.append(runner.model(torch.tensor(ids[start:end]), pos, meta, runner.kv_caches,
+                                    torch.arange(end - start)))
+    return torch.cat(out)
+
+
+def hf_logits(path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_tiny_llama_logits_match_transformers(tiny_model_dir, chunk):
+    runner = ModelRunner(tiny_model_dir, max_total_tokens=512, device="cpu", dtype="float32")
+    ids = list(range(1000, 1050))
+    ours = our_logits(runner, ids, chunk)
+    ref = hf_logits(tiny_model_dir, ids)
+    assert (ours - ref).abs().max().item() < 1e-4
+
+
+def test_smollm2_logits_match_transformers(smol_path):
+    runner = ModelRunner(smol_path, max_total_tokens=512, device="cpu", dtype="float32")
+    ids = [1, 504, 3458, 282, 4649, 314, 2330, 30, 378, 1535, 2476, 3060, 28, 357, 3032, 30]
+    ours = our_logits(runner, ids * 3, chunk=20)
+    ref = hf_logits(smol_path, ids * 3)
+    assert (ours - ref).abs().max().item() < 1e-4
