@@ -31,6 +31,7 @@ class SchedulerConfig:
     # new-token ratio). It decays while all goes well and jumps back after a retraction, so a
     # retracted request is readmitted only with headroom: no retraction storms.
     init_new_token_ratio: float = 0.7
+    conservativeness: float = 1.0  # scales the reservation; 0 admits whatever fits right now
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
 
@@ -173,17 +174,21 @@ class Scheduler:
         return self._num_blocks(req.num_tokens + 1) <= self.pool.num_blocks
 
     def _headroom_ok(self, req: Request) -> bool:
+        """Admit only if the blocks running requests will still need (their remaining output
+        scaled by the new-token ratio) plus this request's leave the pool non-negative."""
         if not self.running:
             return True
-        want = sum(self._future_tokens(r) for r in self.running) + self._future_tokens(req)
-        return want <= self.pool.num_evictable * self.page_size
+        want = sum(self._future_blocks(r) for r in self.running) + self._future_blocks(req)
+        return want <= self.pool.num_evictable
 
-    def _future_tokens(self, req: Request) -> int:
+    def _future_blocks(self, req: Request) -> int:
         limit = req.params.max_new_tokens
         if limit is None:
             limit = self.config.max_model_len - len(req.prompt_ids)
         remaining_out = max(0, limit - req.num_generated)
-        return req.num_to_compute + int(remaining_out * self.new_token_ratio)
+        ratio = self.new_token_ratio * self.config.conservativeness
+        total = req.num_tokens + int(remaining_out * ratio)
+        return max(0, self._num_blocks(total) - len(req.block_table))
 
     def _update_ratio(self, batch: ScheduledBatch) -> None:
         if batch.retracted:
