@@ -50,6 +50,8 @@ class ServerArgs:
     schedule_policy: str = _flag("fcfs", "waiting-queue order", choices=["fcfs", "lpm", "priority"])
     retraction_policy: str = _flag("length", "who is retracted first when KV runs out",
                                    choices=["length", "priority"])
+    schedule_conservativeness: float = _flag(
+        1.0, "how much of running requests' remaining output admission reserves (0: none)")
     batching: str = _flag("continuous", "batching policy",
                           choices=["continuous", "static", "dynamic"])
     batch_wait_ms: float = _flag(20.0, "dynamic batching: longest wait to fill a batch")
@@ -70,6 +72,8 @@ class ServerArgs:
     log_level: str = _flag("info", "debug, info, warning, error")
     stats_interval: float = _flag(1.0, "seconds between heartbeats")
     log_stats_interval: float = _flag(5.0, "seconds between the scheduler's stats log lines")
+    health_file: str | None = _flag(None, "touch this file after each heartbeat sent "
+                                    "(container health checks: python -m common.health)")
 
     def resolved_instance_id(self, service: str) -> str:
         if self.instance_id:
@@ -91,7 +95,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         meta = dict(f.metadata)
         help_text = meta.pop("help", "")
         negatable = meta.pop("negatable", False)
-        env = os.environ.get(_env_name(f.name))
+        # empty counts as unset, as compose's `${TOKENLINE_X:-}` leaves it
+        env = os.environ.get(_env_name(f.name)) or None
         if f.type in ("bool", bool):
             default = _parse_bool(env) if env is not None else f.default
             action = argparse.BooleanOptionalAction if negatable else "store_true"

@@ -37,6 +37,8 @@ class StepStats:
     num_decode: int = 0
     num_prefill_tokens: int = 0
     scheduled_rids: list[str] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)  # tokens computed, per scheduled_rids
+    retracted_rids: list[str] = field(default_factory=list)
     forward_s: float = 0.0
     sample_s: float = 0.0
 
@@ -93,6 +95,7 @@ class EngineCore:
                 retraction_policy=args.retraction_policy,
                 batching=args.batching,
                 batch_wait_ms=args.batch_wait_ms,
+                conservativeness=args.schedule_conservativeness,
                 max_model_len=self.max_model_len,
             ),
             self.pool,
@@ -144,6 +147,9 @@ class EngineCore:
                         rids=[r.rid for r in batch.retracted])
         if batch.reqs:
             self._run(batch, outputs)
+        elif batch.retracted:  # nothing ran, but who was retracted is news all the same
+            self.last_step = StepStats(step=self.num_steps,
+                                       retracted_rids=[r.rid for r in batch.retracted])
         if self.args.debug_check_integrity and not self.scheduler.has_work():
             self.check_integrity()
         return outputs
@@ -165,7 +171,13 @@ class EngineCore:
         if msg.rid in self.tombstones:
             self.num_aborted_total += 1
             del self.tombstones[msg.rid]
-            return  # aborted before it got here: never allocate anything for it
+            # Aborted before it got here: nothing is allocated, but its end is still reported,
+            # so the service forgets what it kept for it and its trace says it was aborted.
+            req = Request.from_msg(msg)
+            req.status = Status.FINISHED
+            req.finish = Finish(kind="abort", message="aborted before scheduling", status=499)
+            outputs.append(self._finish_out(req))
+            return
         if msg.rid in self.requests:
             return  # a duplicate delivery
         req = Request.from_msg(msg)
@@ -230,6 +242,8 @@ class EngineCore:
             num_decode=sum(1 for n in batch.num_new if n == 1),
             num_prefill_tokens=sum(n for n in batch.num_new if n > 1),
             scheduled_rids=[r.rid for r in batch.reqs],
+            num_new=list(batch.num_new),
+            retracted_rids=[r.rid for r in batch.retracted],
             forward_s=t1 - t0,
         )
         if sample_rows:
@@ -335,6 +349,8 @@ class EngineCore:
             out.include_stop_str_in_output = req.params.include_stop_str_in_output
             if req.first_scheduled_time is not None:
                 out.queue_time = req.first_scheduled_time - req.arrival_time
+            if req.initial_outputs:  # resumed: the detokenizer needs the left context
+                out.prior_ids = req.output_ids[: req.initial_outputs]
             req.reported_first = True
         req.num_reported = req.num_generated
         req.pending_logprobs = []
