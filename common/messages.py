@@ -101,6 +101,10 @@ class TokenOut(msgspec.Struct, omit_defaults=True):
     queue_time: float | None = None  # seconds between arrival at the scheduler and first step
     prefill_tokens: int = 0
     retractions: int = 0
+    # First output of a request resumed after tokens the client already has (moved off a dead
+    # scheduler): the detokenizer decodes them again for left context, so its text restarts
+    # from the beginning, and the gateway drops the part its client already received.
+    prior_ids: list[int] | None = None
 
 
 class BatchTokenOut(msgspec.Struct, tag=True, omit_defaults=True):
@@ -128,6 +132,17 @@ class BatchTextOut(msgspec.Struct, tag=True, omit_defaults=True):
     """detokenizer -> gateway: every request of that gateway with output since the last flush."""
 
     items: list[TextOut]
+
+
+class AcceptedOut(msgspec.Struct, tag=True, omit_defaults=True):
+    """scheduler -> gateway, on receipt: this scheduler owns the request from now on.
+
+    The gateway learns who owns a request before its first token, so a request still queued at
+    a scheduler that dies is moved like one that was streaming.
+    """
+
+    rid: str
+    scheduler_id: str
 
 
 class ErrorOut(msgspec.Struct, tag=True, omit_defaults=True):
@@ -188,6 +203,7 @@ Message = (
     | TokenizedReq
     | BatchTokenOut
     | BatchTextOut
+    | AcceptedOut
     | ErrorOut
     | AbortReq
     | FlushCacheReq
