@@ -135,3 +135,31 @@ async def test_health_and_models(stack):
         async with http.get(f"{stack.url}/v1/models") as r:
             data = (await r.json())["data"]
     assert data[0]["id"] == "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("stop,spans", [("answer is", 2), ("201", 3)])
+async def test_stop_string_spanning_tokens_never_reaches_the_client(stack, smol_path, stop,
+                                                                    spans):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(smol_path / "tokenizer.json"))
+    body = dict(prompt="The capital of France is", temperature=0, max_tokens=40)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{stack.url}/v1/completions", json=body) as r:
+            free = (await r.json())["choices"][0]["text"]
+        assert stop in free  # the model says it when not stopped
+        ids = tok.encode(free).ids
+        pieces = [tok.decode(ids[:i]) for i in range(len(ids) + 1)]
+        start = next(i for i, p in enumerate(pieces) if stop in p)
+        first = max(i for i in range(start) if len(pieces[i]) <= free.index(stop))
+        assert start - first >= spans  # the stop string spans that many tokens
+        async with http.post(f"{stack.url}/v1/completions", json={**body, "stop": [stop]}) as r:
+            whole = (await r.json())["choices"][0]
+    chunks, done = await _stream(stack.url, "/v1/completions", **body, stop=[stop])
+    streamed = ""
+    for c in chunks:
+        streamed += c["choices"][0]["text"]
+        assert stop not in streamed
+    assert streamed == whole["text"] == free[: free.index(stop)]
+    assert whole["finish_reason"] == "stop"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
