@@ -162,6 +162,9 @@ class AbortReq(msgspec.Struct, tag=True, omit_defaults=True):
     rid: str | None = None
     abort_all: bool = False
     reason: str = "aborted by client"
+    # Set: only this scheduler's copy of the request stops (it was moved off that scheduler);
+    # schedulers and detokenizers drop what they hold for it there, tokenizers ignore it.
+    scheduler_id: str | None = None
 
 
 class FlushCacheReq(msgspec.Struct, tag=True):
