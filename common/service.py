@@ -6,6 +6,7 @@ import asyncio
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from common.bus import Bus
 from common.config import ServerArgs
@@ -41,6 +42,8 @@ class Service:
         while True:
             try:
                 await self.bus.publish(subject, self.stats())
+                if self.args.health_file and self.bus.nc is not None and self.bus.nc.is_connected:
+                    Path(self.args.health_file).touch()
             except Exception as exc:  # noqa: BLE001 - e.g. while NATS reconnects
                 log.debug("heartbeat failed", error=str(exc))
             await asyncio.sleep(self.args.stats_interval)

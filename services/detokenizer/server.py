@@ -34,8 +34,10 @@ class DetokenizerService(Service):
         info = model_info(prepare_model(args.model, args.cache_dir), args.served_model_name,
                           args.model)
         self.tokenizer = Tokenizer.from_file(str(info.tokenizer_json))
-        self.states: dict[str, IncrementalText] = {}
-        self.last_seen: dict[str, float] = {}
+        # One state per (request, scheduler): a request moved to another scheduler restarts its
+        # text there, and late output of the one it left never mixes into it.
+        self.states: dict[tuple[str, str], IncrementalText] = {}
+        self.last_seen: dict[tuple[str, str], float] = {}
 
     async def setup(self) -> None:
         await self.bus.subscribe(self.subjects.detokenizer(self.instance_id), self.on_tokens)
@@ -55,8 +57,10 @@ class DetokenizerService(Service):
                 self.states.clear()
                 self.last_seen.clear()
             elif msg.rid:
-                self.states.pop(msg.rid, None)
-                self.last_seen.pop(msg.rid, None)
+                for key in [k for k in self.states if k[0] == msg.rid
+                            and msg.scheduler_id in (None, k[1])]:
+                    self.states.pop(key, None)
+                    self.last_seen.pop(key, None)
 
     async def on_tokens(self, msg: Message, headers: dict[str, str]) -> None:
         if not isinstance(msg, BatchTokenOut):
@@ -64,20 +68,24 @@ class DetokenizerService(Service):
         by_gateway: dict[str, list[TextOut]] = defaultdict(list)
         now = time.monotonic()
         for item in msg.items:
-            state = self.states.get(item.rid)
-            if state is None:
+            key = (item.rid, msg.scheduler_id)
+            state = self.states.get(key)
+            if state is None or item.prior_ids is not None:
                 state = IncrementalText(self.tokenizer, item.stop, item.skip_special_tokens,
                                         item.include_stop_str_in_output)
-                self.states[item.rid] = state
+                # A resumed request: decode its earlier tokens again (a fresh DecodeStream has
+                # no left context); the text restarts from the beginning, the gateway trims it.
+                state.push(item.prior_ids or [])
+                self.states[key] = state
             state.push(item.token_ids)
             finished = item.finish is not None
             matched = item.finish.matched if finished and item.finish.kind == "stop" else None
             text = state.take(finished, matched if isinstance(matched, str) else None)
             if finished:
-                self.states.pop(item.rid, None)
-                self.last_seen.pop(item.rid, None)
+                self.states.pop(key, None)
+                self.last_seen.pop(key, None)
             else:
-                self.last_seen[item.rid] = now
+                self.last_seen[key] = now
             by_gateway[item.gateway_id].append(TextOut(
                 rid=item.rid,
                 text=text,
@@ -102,6 +110,6 @@ class DetokenizerService(Service):
         while True:
             await asyncio.sleep(30)
             cutoff = time.monotonic() - STALE_S
-            for rid in [r for r, t in self.last_seen.items() if t < cutoff]:
-                self.states.pop(rid, None)
-                self.last_seen.pop(rid, None)
+            for key in [k for k, t in self.last_seen.items() if t < cutoff]:
+                self.states.pop(key, None)
+                self.last_seen.pop(key, None)

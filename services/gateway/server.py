@@ -9,12 +9,14 @@ import uuid
 from collections.abc import AsyncIterator
 
 import msgspec
+import nats.errors
 from aiohttp import web
 
 from common.config import ServerArgs
 from common.logging import get_logger
 from common.messages import (
     AbortReq,
+    AcceptedOut,
     BatchTextOut,
     ErrorOut,
     FlushCacheOut,
@@ -92,6 +94,7 @@ class GatewayService(Service):
     async def setup(self) -> None:
         await self.bus.subscribe(self.subjects.gateway(self.instance_id), self.on_output)
         await self.bus.subscribe(self.subjects.stats_all(), self.on_stats)
+        self.spawn(self._watch_schedulers())
         app = self.make_app()
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
@@ -109,6 +112,8 @@ class GatewayService(Service):
         if isinstance(msg, BatchTextOut):
             for item in msg.items:
                 self.tracker.deliver(item)
+        elif isinstance(msg, AcceptedOut):
+            self.tracker.accept(msg.rid, msg.scheduler_id)
         elif isinstance(msg, ErrorOut):
             self.tracker.deliver(msg)
 
@@ -127,6 +132,76 @@ class GatewayService(Service):
         cutoff = time.monotonic() - self.args.heartbeat_timeout
         return [s for k, s in self.peers.items()
                 if k[0] == service and self.peer_seen[k] >= cutoff]
+
+    # -- scheduler failover ---------------------------------------------------------------------
+    async def _watch_schedulers(self) -> None:
+        """Call `_on_scheduler_lost` once for each scheduler whose heartbeats stopped."""
+        tick = min(0.25, self.args.heartbeat_timeout / 4)
+        lost: set[str] = set()
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            stalled, last = now - last > tick + self.args.heartbeat_timeout / 2, now
+            if stalled:  # this loop was busy: heartbeats may be waiting unread, not missing
+                continue
+            known = {i for (service, i) in self.peers if service == "scheduler"}
+            dead = known - {s.instance_id for s in self.alive("scheduler")}
+            for scheduler_id in sorted(dead - lost):
+                if await self._answers(scheduler_id):
+                    continue  # heartbeats late, yet it is there: a busy machine, not a death
+                lost.add(scheduler_id)
+                try:
+                    await self._on_scheduler_lost(scheduler_id)
+                except Exception:  # noqa: BLE001 - the watcher must outlive one bad failover
+                    log.exception("failover failed", scheduler_id=scheduler_id)
+            lost &= dead  # one that comes back and dies again is handled again
+
+    async def _answers(self, scheduler_id: str) -> bool:
+        """Whether a scheduler whose heartbeats are late still takes messages on its subject.
+
+        NATS drops a closed connection's subscriptions at once, so a process that is gone
+        (killed, crashed) gives 'no responders' at once; one that is alive but starved of CPU
+        acknowledges the probe (our heartbeat, which it otherwise ignores)."""
+        try:
+            await self.bus.publish_acked(self.subjects.scheduler_instance(scheduler_id),
+                                         self.stats(), timeout=self.args.heartbeat_timeout)
+            return True
+        except nats.errors.Error:  # no responders, or no receipt in time: hung or cut off
+            return False
+
+    async def _on_scheduler_lost(self, scheduler_id: str) -> None:
+        """Move the requests a dead scheduler owned to live ones; with none left, fail them.
+
+        A moved request resumes after the tokens this gateway already delivered (the engine
+        recomputes their KV and samples by position, so greedy and seeded output continue
+        exactly); `Tracker.deliver` drops the replayed text and any late output of the dead one.
+        Its copy there is aborted first, in case that scheduler was only silent, not dead.
+        """
+        victims = self.tracker.owned_by(scheduler_id)
+        if not victims:
+            return
+        survivors = self.alive("scheduler")
+        log.warning("scheduler lost", scheduler_id=scheduler_id, requests=len(victims),
+                    survivors=[s.instance_id for s in survivors])
+        if not survivors:
+            for sub in victims:
+                self.tracker.deliver(ErrorOut(
+                    rid=sub.msg.rid, status=503, err_type="service_unavailable",
+                    code="scheduler_lost",
+                    message=f"the scheduler serving this request ({scheduler_id}) stopped "
+                            "responding and no other scheduler is alive; retry shortly"))
+            return
+        load = {s.instance_id: s.num_running + s.num_waiting for s in survivors}
+        for sub in victims:
+            target = min(load, key=load.__getitem__)
+            load[target] += 1
+            await self.bus.publish(self.subjects.abort, AbortReq(
+                rid=sub.msg.rid, scheduler_id=scheduler_id, reason="moved to another scheduler"))
+            msg = self.tracker.move(sub, target)
+            log.info("request moved", rid=msg.rid, scheduler_id=target,
+                     resumed_after=len(msg.output_ids))
+            await self.bus.publish(self.subjects.tokenizer, msg)
 
     @property
     def tokenizer(self):

@@ -7,6 +7,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgspec
+
 from common.messages import ErrorOut, Finish, GenerateReq, LogprobOut, TextOut
 
 
@@ -32,6 +34,13 @@ class SubRequest:
     first_token: float | None = None
     last_token: float | None = None
     itls: list[float] = field(default_factory=list)
+    # What the tracker has handed to the handler (it may not have consumed it yet): a request
+    # moved to another scheduler resumes after these tokens, and its new detokenizer state
+    # replays their text, of which the first `skip_chars` characters are dropped.
+    delivered_ids: list[int] = field(default_factory=list)
+    delivered_chars: int = 0
+    skip_chars: int = 0
+    migrations: int = 0
 
 
     @property
@@ -60,12 +69,38 @@ class Tracker:
     def remove(self, rid: str) -> None:
         self.subs.pop(rid, None)
 
+    def accept(self, rid: str, scheduler_id: str) -> None:
+        """A scheduler took the request from its queue group: it owns the request now."""
+        sub = self.subs.get(rid)
+        if sub is not None and sub.scheduler_id is None:
+            sub.scheduler_id = scheduler_id
+
+    def owned_by(self, scheduler_id: str) -> list[SubRequest]:
+        return [s for s in self.subs.values()
+                if s.scheduler_id == scheduler_id and s.finish is None and not s.finished]
+
+    def move(self, sub: SubRequest, scheduler_id: str) -> GenerateReq:
+        """The request again, to resume on `scheduler_id` after the tokens delivered so far."""
+        sub.scheduler_id = scheduler_id
+        sub.skip_chars = sub.delivered_chars
+        sub.migrations += 1
+        return msgspec.structs.replace(sub.msg, output_ids=list(sub.delivered_ids),
+                                       scheduler_id=scheduler_id)
+
     def deliver(self, out: TextOut | ErrorOut) -> None:
         sub = self.subs.get(out.rid)
         if sub is None:
             return  # a request this gateway already gave up on
         now = time.monotonic()
         if isinstance(out, TextOut):
+            if out.scheduler_id and sub.scheduler_id not in (None, out.scheduler_id):
+                return  # late output of a scheduler the request was moved off
+            if sub.skip_chars:  # a resumed request's replayed text: the client has it
+                cut = min(sub.skip_chars, len(out.text))
+                out.text = out.text[cut:]
+                sub.skip_chars -= cut
+            sub.delivered_ids += out.token_ids
+            sub.delivered_chars += len(out.text)
             if out.token_ids:
                 if sub.first_token is None:
                     sub.first_token = now

@@ -16,6 +16,7 @@ from common.config import ServerArgs
 from common.logging import get_logger
 from common.messages import (
     AbortReq,
+    AcceptedOut,
     BatchTokenOut,
     ErrorOut,
     FlushCacheOut,
@@ -71,9 +72,11 @@ class SchedulerService(Service):
         self.headers[msg.rid] = headers
         self.engine.submit(msg)
         self.wake.set()
+        await self.bus.publish(self.subjects.gateway(msg.gateway_id),
+                               AcceptedOut(rid=msg.rid, scheduler_id=self.instance_id))
 
     async def on_abort(self, msg: Message, headers: dict[str, str]) -> None:
-        if isinstance(msg, AbortReq):
+        if isinstance(msg, AbortReq) and msg.scheduler_id in (None, self.instance_id):
             self.engine.abort(msg)
             self.wake.set()
 

