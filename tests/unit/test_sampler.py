@@ -1,0 +1,105 @@
+"""The batched sampler on crafted logits: each parameter does what its definition says."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from common.messages import SamplingParams
+from services.scheduler.sampler import SampleRow, apply_penalties, sample
+
+V = 8
+
+
+def row(seed=0, position=0, counts=None, seen=None, suppress=(), **params) -> SampleRow:
+    return SampleRow(params=SamplingParams(**params), seed=seed, position=position,
+                     output_counts=counts, seen_mask=seen, suppress=list(suppress))
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 0, 0, 0, 0, 0], [5.0, 0, 0, 0, 0, 0, 0, 1.0]])
+    tokens, lps = sample(logits, [row(temperature=0.0), row(temperature=0.0)])
+    assert tokens == [1, 0] and lps is None
+
+
+def test_logit_bias_of_minus_100_bans_a_token():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 0, 0, 0, 0, 0]])
+    tokens, _ = sample(logits, [row(temperature=0.0, logit_bias={1: -100.0})])
+    assert tokens == [2]
+    for seed in range(50):
+        t, _ = sample(logits, [row(seed=seed, temperature=1.0, logit_bias={1: -100.0})])
+        assert t != [1]
+
+
+def test_presence_and_frequency_penalties_follow_openai():
+    logits = torch.zeros(1, V)
+    counts = torch.tensor([0, 1, 3, 0, 0, 0, 0, 0], dtype=torch.float)
+    apply_penalties(logits, [row(counts=counts, presence_penalty=0.5, frequency_penalty=0.25)])
+    # mu[j] - c[j] * frequency - (c[j] > 0) * presence
+    assert torch.allclose(logits[0, :3], torch.tensor([0.0, -0.75, -1.25]))
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 0, 0, 0, 0]])
+    seen = torch.tensor([True, True, False, False, False, False, False, False])
+    apply_penalties(logits, [row(seen=seen, repetition_penalty=2.0)])
+    assert logits[0, :4].tolist() == [1.0, -4.0, 2.0, -2.0]
+
+
+def test_penalties_change_the_sampled_distribution():
+    logits = torch.tensor([[2.0, 1.9, -5, -5, -5, -5, -5, -5]])
+    counts = torch.tensor([4.0, 0, 0, 0, 0, 0, 0, 0])
+    plain = [sample(logits, [row(seed=s, temperature=1.0)])[0][0] for s in range(300)]
+    pen = [sample(logits, [row(seed=s, temperature=1.0, counts=counts,
+                               frequency_penalty=1.0)])[0][0] for s in range(300)]
+    assert plain.count(0) > 120 and pen.count(0) < 30
+
+
+def test_top_k_top_p_and_min_p_cut_the_tail():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05, 1e-9, 1e-9, 1e-9, 1e-9]]))
+    seen = {name: set() for name in ("k", "p", "minp")}
+    for s in range(400):
+        seen["k"].add(sample(logits, [row(seed=s, temperature=1.0, top_k=2)])[0][0])
+        seen["p"].add(sample(logits, [row(seed=s, temperature=1.0, top_p=0.8)])[0][0])
+        seen["minp"].add(sample(logits, [row(seed=s, temperature=1.0, min_p=0.25)])[0][0])
+    assert seen["k"] == {0, 1}
+    assert seen["p"] == {0, 1}  # 0.5 + 0.3 reaches 0.8
+    assert seen["minp"] == {0, 1, 2}  # 0.15 >= 0.25 * 0.5
+
+
+def test_sampling_frequencies_follow_the_softmax():
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1, 1e-12, 1e-12, 1e-12, 1e-12, 1e-12]]))
+    draws = [sample(logits, [row(seed=s, temperature=1.0)])[0][0] for s in range(3000)]
+    for token, p in ((0, 0.6), (1, 0.3), (2, 0.1)):
+        freq = draws.count(token) / len(draws)
+        assert abs(freq - p) < 4 * math.sqrt(p * (1 - p) / len(draws))
+
+
+def test_seeded_draw_depends_only_on_seed_and_position():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 1000)
+    rows = [row(seed=7, position=10, temperature=1.0), row(seed=1, position=3, temperature=0.7),
+            row(temperature=0.0), row(seed=7, position=10, temperature=1.0)]
+    tokens, _ = sample(logits.clone(), rows)
+    alone, _ = sample(logits[:1].clone(), rows[:1])
+    assert tokens[0] == alone[0]
+    shuffled, _ = sample(logits[[3, 2, 1, 0]].clone(), [rows[3], rows[2], rows[1], rows[0]])
+    assert shuffled[::-1] == tokens
+    other_pos = [sample(logits[:1].clone(), [row(seed=7, position=p, temperature=1.0)])[0][0]
+                 for p in range(20)]
+    assert len(set(other_pos)) > 5
+
+
+def test_logprobs_are_the_raw_log_softmax_with_top_k():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0, 0, 0, 0, 0]])
+    tokens, lps = sample(logits, [row(temperature=0.0, logprobs=2, logit_bias={2: -100.0})])
+    ref = torch.log_softmax(logits[0], -1)
+    assert tokens == [1]
+    assert abs(lps[0].logprob - ref[1].item()) < 1e-6
+    assert [t for t, _ in lps[0].top] == [2, 1]
+
+
+def test_suppressed_tokens_are_never_chosen():
+    logits = torch.tensor([[9.0, 1.0, 0, 0, 0, 0, 0, 0]])
+    assert sample(logits, [row(temperature=0.0, suppress=[0])])[0] == [1]
