@@ -163,3 +163,34 @@ async def test_stop_string_spanning_tokens_never_reaches_the_client(stack, smol_
     assert streamed == whole["text"] == free[: free.index(stop)]
     assert whole["finish_reason"] == "stop"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_n_choices_count_the_prompt_once(stack):
+    body = dict(messages=[{"role": "user", "content": "Say a random word."}], temperature=1.0,
+                max_tokens=8, n=4, seed=7)
+    out = await _chat(stack.url, **body)
+    assert sorted(c["index"] for c in out["choices"]) == [0, 1, 2, 3]
+    single = await _chat(stack.url, **{**body, "n": 1})
+    assert out["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]
+    assert out["usage"]["completion_tokens"] >= 4
+    again = await _chat(stack.url, **body)
+    assert [c["message"]["content"] for c in again["choices"]] == [
+        c["message"]["content"] for c in out["choices"]]  # seeded: reproducible
+
+
+async def test_resent_conversation_reports_cached_tokens(stack):
+    body = dict(messages=[{"role": "system", "content": "You are terse. " * 20},
+                          {"role": "user", "content": "Hello"}], temperature=0, max_tokens=4)
+    await _chat(stack.url, **body)
+    second = await _chat(stack.url, **body)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+
+
+async def test_chat_logprobs_over_http(stack):
+    out = await _chat(stack.url, messages=QUESTION, temperature=0, max_tokens=5, logprobs=True,
+                      top_logprobs=3)
+    content = out["choices"][0]["logprobs"]["content"]
+    assert len(content) == out["usage"]["completion_tokens"]
+    for entry in content:
+        assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]  # greedy: the top one
