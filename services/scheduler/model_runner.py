@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.logging import get_logger
@@ -134,37 +135,49 @@ class ModelRunner:
         """Compute the new tokens of every request; logits only for rows in `sample_rows`."""
         p = self.page_size
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        starts = [0]
-        seq_lens = []
+        begins: list[int] = []
+        seq_lens: list[int] = []
         for req, n in zip(reqs, num_new, strict=True):
             begin = req.num_computed
-            tokens = req.tokens
-            ids += tokens[begin : begin + n]
-            table = req.block_table
-            for pos in range(begin, begin + n):
-                positions.append(pos)
-                slots.append(table[pos // p] * p + pos % p)
-            starts.append(starts[-1] + n)
+            ids += _token_slice(req, begin, begin + n)
+            begins.append(begin)
             seq_lens.append(begin + n)
         width = max(len(r.block_table) for r in reqs)
-        tables = [r.block_table + [0] * (width - len(r.block_table)) for r in reqs]
+        tables = np.zeros((len(reqs), width), dtype=np.int32)
+        for b, req in enumerate(reqs):
+            tables[b, : len(req.block_table)] = req.block_table
+        counts = np.asarray(num_new, dtype=np.int64)
+        starts = np.zeros(len(reqs) + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        # token t of row b sits at position begins[b] + (t - starts[b]), in that row's table
+        row = np.repeat(np.arange(len(reqs)), counts)
+        positions = np.arange(starts[-1], dtype=np.int64) - np.repeat(starts[:-1] - begins, counts)
+        slots = tables[row, positions // p].astype(np.int64) * p + positions % p
         dev = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            query_start_loc=torch.from_numpy(starts.astype(np.int32)).to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
             query_lens_cpu=list(num_new),
             seq_lens_cpu=seq_lens,
             page_size=p,
         )
-        logits_idx = torch.tensor([starts[i + 1] - 1 for i in sample_rows], device=dev)
+        logits_idx = torch.from_numpy(starts[1:][sample_rows] - 1).to(dev)
         return self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.from_numpy(positions).to(dev),
             meta,
             self.kv_caches,
             logits_idx,
         )
+
+
+def _token_slice(req: Request, begin: int, end: int) -> list[int]:
+    """req.tokens[begin:end] without building the whole prompt + output list."""
+    n = len(req.prompt_ids)
+    if begin >= n:
+        return req.output_ids[begin - n : end - n]
+    if end <= n:
+        return req.prompt_ids[begin:end]
+    return req.prompt_ids[begin:] + req.output_ids[: end - n]

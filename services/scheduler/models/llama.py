@@ -15,6 +15,8 @@ from torch import nn
 
 from services.scheduler.attention.base import AttentionBackend, AttentionMetadata
 
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -23,6 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused pass, bit-identical to the float32 steps below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
@@ -52,12 +56,20 @@ class Rotary(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)  # [max_len, D/2]
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D]: rotate the two halves of each head (the HF 'rotate_half' layout)."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos and sin of the step's positions, [T, 1, D/2]: looked up once for every layer."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
+
+    @staticmethod
+    def rotate_(x: torch.Tensor, rope: RopeTables) -> None:
+        """x [T, H, D], in place: rotate the two halves of each head (HF's 'rotate_half')."""
+        cos, sin = rope
         x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        r1 = x1 * cos - x2 * sin
+        x2.mul_(cos).add_(x1 * sin)  # not addcmul: a fused multiply-add rounds differently
+        x1.copy_(r1)
 
 
 class Attention(nn.Module):
@@ -76,10 +88,14 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
 
-    def forward(self, x, positions, meta: AttentionMetadata, k_cache, v_cache):
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rotary(q.view(-1, self.num_heads, self.head_dim), positions)
-        k = self.rotary(k.view(-1, self.num_kv_heads, self.head_dim), positions)
+    def forward(self, x, rope: RopeTables, meta: AttentionMetadata, k_cache, v_cache):
+        qkv = self.qkv_proj(x)
+        heads = self.num_heads + self.num_kv_heads
+        # q and k sit side by side in each row of qkv: rotate both in one pass, in place
+        Rotary.rotate_(qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim), rope)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -95,7 +111,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -107,9 +123,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config["hidden_size"], eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, meta, k_cache, v_cache):
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope: RopeTables, meta, k_cache, v_cache):
+        """Updates the residual stream `x` in place and returns it."""
+        x += self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
+        x += self.mlp(self.post_attention_layernorm(x))
+        return x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -143,8 +161,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Logits of the tokens at `logits_indices` only: the rest of a prefill needs none."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions, x.dtype)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, meta, k_cache, v_cache)
+            x = layer(x, rope, meta, k_cache, v_cache)
         x = self.norm(x[logits_indices])
         return F.linear(x, self.lm_weight).float()
 
