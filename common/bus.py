@@ -27,7 +27,8 @@ class Bus:
     async def connect(self, attempts: int = 120) -> None:
         """Connect, retrying while the server is not up yet (services may start first)."""
         opts = dict(
-            servers=[self.args.nats_url or "nats://127.0.0.1:4222"],
+            # several seeds of a NATS cluster: comma-separated (the client learns the rest)
+            servers=[u.strip() for u in (self.args.nats_url or "nats://127.0.0.1:4222").split(",")],
             name=self.name,
             allow_reconnect=True,
             max_reconnect_attempts=-1,

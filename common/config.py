@@ -25,7 +25,8 @@ class ServerArgs:
     port: int = _flag(8000, "HTTP port of the gateway")
     model: str | None = _flag(None, "local transformers directory or GGUF file (default SmolLM2)")
     served_model_name: str | None = _flag(None, "model name in the API (default: from --model)")
-    nats_url: str | None = _flag(None, "NATS server URL (serve: embedded server if unset)")
+    nats_url: str | None = _flag(None, "NATS server URL, comma-separated for several seeds of a "
+                                 "cluster (serve: embedded server if unset)")
     nats_user: str | None = _flag(None, "NATS user")
     nats_password: str | None = _flag(None, "NATS password")
     nats_token: str | None = _flag(None, "NATS token")
