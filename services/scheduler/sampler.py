@@ -1,8 +1,8 @@
 """Batched sampling: one pass over the batch's logits with each row's own parameters.
 
-Seeded draws use the exponential-race form of sampling (argmax of p / E, E ~ Exp(1)) with the
-noise drawn from a generator keyed by the request's seed and the token's position, so a
-request's tokens never depend on its neighbours, on chunking, or on retraction.
+Each draw is an inverse-CDF lookup with one uniform number derived from the request's seed and
+the token's position, so a request's tokens never depend on its neighbours, on chunking, or on
+retraction.
 """
 
 from __future__ import annotations
@@ -59,39 +59,79 @@ def apply_bias_and_bans(logits: torch.Tensor, rows: list[SampleRow]) -> None:
             logits[i, row.suppress] = float("-inf")
 
 
-def _filter(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p on rows that sample; returns probabilities."""
-    temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=logits.device)
-    logits = logits / temps[:, None]
-    top_k = [r.params.top_k for r in rows]
-    top_p = [r.params.top_p for r in rows]
-    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        vocab = logits.shape[-1]
-        k = torch.tensor([k if k > 0 else vocab for k in top_k], device=logits.device)
-        ranks = torch.arange(vocab, device=logits.device)[None, :]
-        drop = ranks >= k[:, None]
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
-        p = torch.tensor(top_p, device=logits.device)[:, None]
-        # keep the smallest prefix whose mass reaches p (the top token is always kept)
-        drop |= (probs.cumsum(-1) - probs) >= p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    min_p = torch.tensor([r.params.min_p for r in rows], device=logits.device)
-    if bool((min_p > 0).any()):
-        cutoff = probs.max(-1, keepdim=True).values * min_p[:, None]
-        probs = probs.masked_fill(probs < cutoff, 0.0)
-    return probs
+def uniform(seed: int, position: int) -> float:
+    """A number in [0, 1) fixed by (seed, position): splitmix64 of the pair, 53 bits."""
+    z = (position_seed(seed, position) + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
-def _draw(probs: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    noise = torch.empty_like(probs)
-    gen = torch.Generator(device=probs.device)
-    for i, row in enumerate(rows):
-        gen.manual_seed(position_seed(row.seed, row.position))
-        noise[i].exponential_(generator=gen)
-    return (probs / noise).argmax(-1)
+# Rows with top-k or top-p look at this many best tokens first; a row whose nucleus is wider
+# (a very flat distribution) falls back to sorting the whole vocabulary.
+CANDIDATES = 1024
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+    """Temperature, min-p, top-k and top-p, then one inverse-CDF draw per row with a uniform
+    keyed by (seed, position): O(1) random numbers per row, independent of the batch."""
+    dev = logits.device
+    temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)
+    scaled = logits / temps[:, None]
+    u = torch.tensor([uniform(r.seed, r.position) for r in rows], device=dev)
+    min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
+    tokens = torch.empty(len(rows), dtype=torch.long, device=dev)
+    is_trunc = [r.params.top_k > 0 or r.params.top_p < 1.0 for r in rows]
+    plain = [i for i, t in enumerate(is_trunc) if not t]
+    trunc = [i for i, t in enumerate(is_trunc) if t]
+    if plain:
+        sub = scaled if len(plain) == len(rows) else scaled[plain]
+        probs = _min_p(sub.softmax(-1), min_p[plain])
+        tokens[plain] = _draw(probs, u[plain])
+    if trunc:
+        # Only the best candidates matter: softmax over them with the full row's normalizer.
+        sub = scaled if len(trunc) == len(rows) else scaled[trunc]
+        vocab = sub.shape[-1]
+        top_k = [rows[i].params.top_k for i in trunc]
+        cap = max(top_k) if all(k > 0 for k in top_k) else max(CANDIDATES, max(top_k))
+        width = min(vocab, cap)
+        top, idx = sub.topk(width, dim=-1)
+        vals = (top - sub.logsumexp(-1, keepdim=True)).exp()
+        vals = _min_p(vals, min_p[trunc], vals[:, :1])
+        ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev)
+        vals = vals.masked_fill(torch.arange(width, device=dev)[None, :] >= ks[:, None], 0.0)
+        cum = vals.cumsum(-1)
+        top_p = torch.tensor([rows[i].params.top_p for i in trunc], device=dev)
+        mass = cum[:, -1:]  # top-p applies to the distribution after top-k, renormalized
+        vals = vals.masked_fill(cum - vals >= top_p[:, None] * mass, 0.0)
+        short = (mass[:, 0] < top_p) & (ks > width)  # nucleus wider than the candidates
+        picked = idx.gather(1, _draw(vals, u[trunc])[:, None]).squeeze(1)
+        for j in short.nonzero().flatten().tolist():
+            picked[j] = _sample_rows_full(sub[j].softmax(-1), top_p[j].item(), u[trunc][j])
+        tokens[trunc] = picked
+    return tokens
+
+
+def _min_p(probs: torch.Tensor, min_p: torch.Tensor, best: torch.Tensor | None = None):
+    if not bool((min_p > 0).any()):
+        return probs
+    best = probs.max(-1, keepdim=True).values if best is None else best
+    return probs.masked_fill(probs < best * min_p[:, None], 0.0)
+
+
+def _sample_rows_full(probs: torch.Tensor, top_p: float, u: torch.Tensor) -> int:
+    vals, idx = probs.sort(descending=True)
+    cum = vals.cumsum(0)
+    vals = vals.masked_fill(cum - vals >= top_p * cum[-1], 0.0)
+    return int(idx[_draw(vals[None, :], u.reshape(1))[0]])
+
+
+def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: the first index whose cumulative weight exceeds u * total."""
+    cdf = weights.cumsum(-1)
+    target = (u * cdf[:, -1]).unsqueeze(1)
+    chosen = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return chosen.clamp_(max=weights.shape[-1] - 1)
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list | None]:
@@ -113,7 +153,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
         idx = [i for i, g in enumerate(greedy) if not g]
         sel = torch.tensor(idx, device=logits.device)
         srows = [rows[i] for i in idx]
-        tokens[sel] = _draw(_filter(logits[sel], srows), srows)
+        tokens[sel] = _sample_rows(logits[sel], srows)
     token_list = tokens.tolist()
     if raw_logprobs is None:
         return token_list, None
