@@ -1,0 +1,42 @@
+"""The engine with `--attention-backend triton` (the CPU interpreter here, CUDA where there is
+one) gives the torch backend's greedy tokens, through prefill, chunks, prefix hits and decode."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from common.messages import SamplingParams, TokenizedReq
+from services.scheduler.engine import EngineCore
+from tests.helpers import engine_args, run_engine
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+
+
+def _reqs():
+    prompts = [list(range(1000, 1011)), list(range(2000, 2030)), list(range(1000, 1020)) + [7]]
+    return [TokenizedReq(rid=f"t{i}", gateway_id="g", input_ids=p,
+                         params=SamplingParams(max_new_tokens=6, temperature=0.0,
+                                               ignore_eos=True))
+            for i, p in enumerate(prompts)]
+
+
+def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_model_dir):
+    flags = dict(page_size=16, chunked_prefill_size=12, max_total_tokens=1024, device="cpu",
+                 dtype="float32")
+    hit = TokenizedReq(rid="hit", gateway_id="g", input_ids=list(range(2000, 2030)) + [9, 9],
+                       params=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
+    results = {}
+    for backend in ("torch", "triton"):
+        engine = EngineCore(engine_args(tiny_model_dir, attention_backend=backend, **flags))
+        assert engine.runner.backend.name == backend
+        first, _, _ = run_engine(engine, _reqs())
+        second, _, _ = run_engine(engine, [hit])  # reads 16 cached tokens of t1 from the pool
+        assert engine.scheduler.prefix_hits_total == 16
+        results[backend] = (first, second)
+    assert results["triton"] == results["torch"]
