@@ -8,6 +8,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from common import tracing
 from common.bus import Bus
 from common.config import ServerArgs
 from common.logging import get_logger
@@ -57,12 +58,16 @@ class Service:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._stop.set)
+        if tracing.setup(self.name, self.args, self.instance_id):
+            endpoint, protocol = tracing.resolve_endpoint(self.args) or ("", "")
+            log.info("exporting traces over OTLP", endpoint=endpoint, protocol=protocol)
         await self.bus.connect()
         await self.setup()
         self.spawn(self._heartbeat())
         log.info(f"{self.name} ready", instance_id=self.instance_id)
         await self._stop.wait()
         await self.shutdown()
+        tracing.shutdown()  # last: spans ended while shutting down still go out
 
     async def shutdown(self) -> None:
         for task in self._tasks:

@@ -7,12 +7,14 @@ from collections import defaultdict
 
 from tokenizers import Tokenizer
 
+from common import tracing
 from common.config import ServerArgs
 from common.logging import get_logger
 from common.messages import (
     AbortReq,
     BatchTextOut,
     BatchTokenOut,
+    Finish,
     Message,
     StatsOut,
     TextOut,
@@ -38,10 +40,13 @@ class DetokenizerService(Service):
         # text there, and late output of the one it left never mixes into it.
         self.states: dict[tuple[str, str], IncrementalText] = {}
         self.last_seen: dict[tuple[str, str], float] = {}
+        self.spans: dict = {}  # rid -> its open `detokenize` span (tracing on only)
+        self.traced = False
 
     async def setup(self) -> None:
         await self.bus.subscribe(self.subjects.detokenizer(self.instance_id), self.on_tokens)
         await self.bus.subscribe(self.subjects.abort, self.on_abort)
+        self.traced = tracing.enabled()
         self.spawn(self._sweep())
 
     def stats(self) -> StatsOut:
@@ -61,12 +66,17 @@ class DetokenizerService(Service):
                             and msg.scheduler_id in (None, k[1])]:
                     self.states.pop(key, None)
                     self.last_seen.pop(key, None)
+                if msg.scheduler_id is not None:
+                    return  # moved off that scheduler: the request itself goes on
+            for rid in list(self.spans) if msg.abort_all else [msg.rid] if msg.rid else []:
+                self._end_span(rid, Finish(kind="abort", message=msg.reason))
 
     async def on_tokens(self, msg: Message, headers: dict[str, str]) -> None:
         if not isinstance(msg, BatchTokenOut):
             return
         by_gateway: dict[str, list[TextOut]] = defaultdict(list)
         now = time.monotonic()
+        arrived = tracing.now_ns() if self.traced else 0
         for item in msg.items:
             key = (item.rid, msg.scheduler_id)
             state = self.states.get(key)
@@ -100,8 +110,44 @@ class DetokenizerService(Service):
                 retractions=item.retractions,
             ))
         for gateway_id, items in by_gateway.items():
-            await self.bus.publish(self.subjects.gateway(gateway_id), BatchTextOut(items=items),
-                                   headers)
+            await self.bus.publish(self.subjects.gateway(gateway_id), BatchTextOut(items=items))
+        if self.traced and (headers or self.spans):
+            self._trace(msg, headers, arrived)
+
+    def _trace(self, msg: BatchTokenOut, headers: dict[str, str], arrived: int) -> None:
+        """Open a request's span at its first output, under the context the scheduler put in
+        the item's header; end it with the request."""
+        for i, item in enumerate(msg.items):
+            if item.first and (tp := headers.get(tracing.item_header(i))):
+                if (moved := self.spans.pop(item.rid, None)) is not None:
+                    moved.end()  # resumed on another scheduler: its first part ends here
+                self.spans[item.rid] = tracing.start_span(
+                    "detokenize", tp, "consumer", {tracing.RID: item.rid}, arrived)
+            if item.finish is not None:
+                self._end_span(item.rid, item.finish, item.completion_tokens)
+
+    def _end_span(self, rid: str, finish: Finish, completion_tokens: int | None = None) -> None:
+        span = self.spans.pop(rid, None)
+        if span is not None:
+            attrs = ({} if completion_tokens is None
+                     else {tracing.USAGE_OUTPUT_TOKENS: completion_tokens})
+            tracing.end_with_finish(span, finish, attributes=attrs)
+
+    def _on_nats_connection(self, up: bool) -> None:
+        """Back from a NATS outage: output sent here meanwhile is lost, so no text held here can
+        go on without a gap. Forget it all and abort those requests (their end still reaches
+        the gateway; one that was cut off too has failed them already)."""
+        if up and self.states:
+            rids = sorted({rid for rid, _ in self.states})
+            log.warning("forgetting requests after a NATS outage", requests=len(rids))
+            self.states.clear()
+            self.last_seen.clear()
+            self.spawn(self._abort(rids, "the detokenizer lost its connection to NATS"))
+
+    async def _abort(self, rids: list[str], reason: str) -> None:
+        for rid in rids:
+            await self.bus.publish(self.subjects.abort, AbortReq(rid=rid, reason=reason))
+
 
     async def _sweep(self) -> None:
         """Drop state of requests nobody has sent tokens for in a long time (a dead scheduler)."""
@@ -113,3 +159,4 @@ class DetokenizerService(Service):
             for key in [k for k, t in self.last_seen.items() if t < cutoff]:
                 self.states.pop(key, None)
                 self.last_seen.pop(key, None)
+                self._end_span(key[0], Finish(kind="error", message="no output for too long"))

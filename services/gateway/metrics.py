@@ -1,8 +1,11 @@
 """/metrics: vLLM's metric names under `tokenline:`.
 
 Latency histograms come from the event times the tracker stamps as outputs arrive (arrival,
-first token, each token, finish) on one monotonic clock. Scheduler gauges and counters come
-from the schedulers' heartbeats, summed over live instances, read at scrape time.
+first token, each token, finish) on one monotonic clock, and the queue time the scheduler
+measures; they observe requests that completed (stop or length), so an abort or an error moves
+`request_success_total{finished_reason}` and the scheduler's abort counter, never a latency.
+Scheduler gauges and counters come from the schedulers' heartbeats (StatsOut), summed over
+instances, read at scrape time.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -72,10 +75,11 @@ class _SchedulerCollector:
             yield c
         inflight = GaugeMetricFamily(P + "requests_in_flight",
                                      "Requests each service holds state for (leaks show here).",
-                                     labels=["service"])
-        inflight.add_metric(["gateway"], len(gw.tracker))
+                                     labels=["model_name", "service"])
+        inflight.add_metric([self.model_name, "gateway"], len(gw.tracker))
         for svc in ("tokenizer", "scheduler", "detokenizer"):
-            inflight.add_metric([svc], sum(s.in_flight for s in gw.alive(svc)))
+            inflight.add_metric([self.model_name, svc],
+                                sum(s.in_flight for s in gw.alive(svc)))
         yield inflight
 
 
@@ -93,12 +97,24 @@ class Metrics:
         self.itl = hist("inter_token_latency_seconds", "Time between outputs of a request.")
         self.e2e = hist("e2e_request_latency_seconds", "Arrival to finish.")
         self.queue = hist("request_queue_time_seconds", "Time waiting in the scheduler.")
+        for h in (self.ttft, self.itl, self.e2e, self.queue):  # present from the start, empty
+            h.labels(model_name)
+        self.success = Counter(P + "request_success", "Requests ended, by finish reason "
+                               "(stop, length, abort).", ["model_name", "finished_reason"],
+                               registry=self.registry)
+        for reason in ("stop", "length", "abort"):  # present from the start, at 0
+            self.success.labels(model_name, reason)
         self.registry.register(_SchedulerCollector(model_name, gateway))
 
     def observe_finished(self, sub: SubRequest, out: TextOut) -> None:
+        """A sequence's final output (stop, length or abort) as the handler consumes it."""
         m = self.model_name
-        now = time.monotonic()
-        self.e2e.labels(m).observe(now - sub.arrival)
+        kind = out.finish.kind if out.finish is not None else "abort"
+        self.success.labels(m, kind).inc()
+        if kind not in ("stop", "length"):
+            return
+        end = sub.finished_at if sub.finished_at is not None else time.monotonic()
+        self.e2e.labels(m).observe(end - sub.arrival)
         if sub.first_token is not None:
             self.ttft.labels(m).observe(sub.first_token - sub.arrival)
         for gap in sub.itls:
@@ -108,3 +124,7 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def observe_abandoned(self, n: int) -> None:
+        """Sequences the gateway aborted itself (client gone, deadline passed)."""
+        self.success.labels(self.model_name, "abort").inc(n)

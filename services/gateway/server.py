@@ -10,10 +10,12 @@ from collections.abc import AsyncIterator
 
 import msgspec
 import nats.errors
+import structlog
 from aiohttp import web
 
+from common import tracing
 from common.config import ServerArgs
-from common.logging import get_logger
+from common.logging import get_logger, request_logger
 from common.messages import (
     AbortReq,
     AcceptedOut,
@@ -29,6 +31,7 @@ from common.messages import (
 )
 from common.modelstore import model_info, prepare_model
 from common.service import Service
+from services.gateway import spans
 from services.gateway.metrics import Metrics
 from services.gateway.protocol import (
     APIError,
@@ -199,9 +202,9 @@ class GatewayService(Service):
             await self.bus.publish(self.subjects.abort, AbortReq(
                 rid=sub.msg.rid, scheduler_id=scheduler_id, reason="moved to another scheduler"))
             msg = self.tracker.move(sub, target)
-            log.info("request moved", rid=msg.rid, scheduler_id=target,
-                     resumed_after=len(msg.output_ids))
-            await self.bus.publish(self.subjects.tokenizer, msg)
+            request_logger(msg.rid, tracing.trace_id(sub.headers)).info(
+                "request moved", scheduler_id=target, resumed_after=len(msg.output_ids))
+            await self.bus.publish(self.subjects.tokenizer, msg, sub.headers)
 
     @property
     def tokenizer(self):
@@ -214,7 +217,7 @@ class GatewayService(Service):
     # -- app ------------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.args.max_request_bytes,
-                              middlewares=[self._errors_mw, self._auth_mw])
+                              middlewares=[spans.middleware, self._errors_mw, self._auth_mw])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -360,6 +363,8 @@ class GatewayService(Service):
             raise APIError("no scheduler is alive; retry shortly", None, 503)
         queue: asyncio.Queue = asyncio.Queue()
         subs = [self.tracker.add(m, i, queue) for i, m in enumerate(subs_msgs)]
+        for sub in subs:
+            sub.headers = headers
         self.groups[group] = [m.rid for m in subs_msgs]
         for m in subs_msgs:
             await self.bus.publish(self.subjects.tokenizer, m, headers)
@@ -368,6 +373,11 @@ class GatewayService(Service):
     async def _finish(self, subs: list[SubRequest], group: str, reason: str) -> None:
         """Abort whatever has not finished (client gone, deadline, error) and forget the rest."""
         self.groups.pop(group, None)
+        if tracing.enabled():
+            spans.on_end(subs, self._usage(subs), reason)
+        if reason != "finished":
+            log.info("request ended early", reason=reason)
+            self.metrics.observe_abandoned(sum(not s.finished for s in subs))
         for sub in subs:
             if not sub.finished:
                 sub.finished = True
@@ -401,7 +411,13 @@ class GatewayService(Service):
                    render_chunk, render_final, stream_tail) -> web.StreamResponse:
         """Drive one HTTP request: stream chunks or gather the final body; abort when left."""
         group = subs_msgs[0].rid.rsplit("-", 1)[0] if len(subs_msgs) > 1 else subs_msgs[0].rid
-        headers = {k: v for k, v in request.headers.items() if k.lower() == "traceparent"}
+        if tracing.enabled():
+            spans.on_start(subs_msgs, self.model_name, group)
+            headers = tracing.inject()
+        else:  # a client's trace context still reaches every stage's log lines
+            headers = tracing.passthrough(request.headers)
+        # this handler's task only: every line it logs is about this request
+        structlog.contextvars.bind_contextvars(rid=group, trace_id=tracing.trace_id(headers))
         queue, subs = await self._start(subs_msgs, headers, group)
         reason = "client disconnected"
         try:

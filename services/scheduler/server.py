@@ -12,8 +12,9 @@ import zlib
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
+from common import tracing
 from common.config import ServerArgs
-from common.logging import get_logger
+from common.logging import get_logger, request_logger
 from common.messages import (
     AbortReq,
     AcceptedOut,
@@ -28,7 +29,8 @@ from common.messages import (
 )
 from common.service import Service
 from common.subjects import SCHEDULER_QUEUE
-from services.scheduler.engine import EngineCore
+from services.scheduler.engine import EngineCore, StepStats
+from services.scheduler.spans import SchedulerSpans
 
 log = get_logger("scheduler")
 
@@ -45,8 +47,11 @@ class SchedulerService(Service):
         self.detokenizers: dict[str, float] = {}  # id -> last heartbeat (monotonic)
         self.route: dict[str, str] = {}  # rid -> detokenizer id, for the request's whole life
         self.headers: dict[str, dict[str, str]] = {}
-        self._last_log = 0.0
+        self.spans: SchedulerSpans | None = None  # set up only when tracing is on
+        self._seen_step: StepStats | None = None
+        self._stats_since: float | None = None  # start of the stats line's window (busy)
         self._last_gen = 0
+        self._last_prompt = 0
 
     async def setup(self) -> None:
         await self.bus.subscribe(self.subjects.scheduler, self.on_request, queue=SCHEDULER_QUEUE)
@@ -55,6 +60,8 @@ class SchedulerService(Service):
         await self.bus.subscribe(self.subjects.abort, self.on_abort)
         await self.bus.subscribe(self.subjects.stats_all("detokenizer"), self.on_detok_stats)
         await self.bus.subscribe_requests(self.subjects.flush_cache, self.on_flush)
+        if tracing.enabled():
+            self.spans = SchedulerSpans()
         self.spawn(self._loop())
 
     # -- inputs ---------------------------------------------------------------------------------
@@ -70,6 +77,8 @@ class SchedulerService(Service):
             ))
             return
         self.headers[msg.rid] = headers
+        if self.spans is not None:
+            self.spans.arrive(msg, headers)
         self.engine.submit(msg)
         self.wake.set()
         await self.bus.publish(self.subjects.gateway(msg.gateway_id),
@@ -95,19 +104,27 @@ class SchedulerService(Service):
         loop = asyncio.get_running_loop()
         while True:
             if not self.engine.has_work():
+                self._log_stats_line(idle=True)
                 self.wake.clear()
                 try:
                     await asyncio.wait_for(self.wake.wait(), timeout=1.0)
                 except TimeoutError:
                     continue
             async with self.step_lock:
+                t0 = time.time_ns()
                 try:
                     outputs = await loop.run_in_executor(self.worker, self.engine.step)
                 except Exception:  # noqa: BLE001 - a failed step must not kill the service
                     log.exception("engine step failed")
                     outputs = self._fail_all("internal error in the engine step")
+                t1 = time.time_ns()
+            if self.engine.last_step is not self._seen_step:
+                self._seen_step = self.engine.last_step
+                self._log_retractions(self._seen_step)
             if outputs:
                 await self._publish(outputs)
+            if self.spans is not None:  # after publishing: the detokenizer got their contexts
+                self.spans.after_step(outputs, self.engine.last_step, t0, t1)
             self._maybe_log_stats()
             await asyncio.sleep(0)  # let NATS callbacks run between steps
 
@@ -129,12 +146,25 @@ class SchedulerService(Service):
             by_detok[self._detokenizer_for(out.rid)].append(out)
             if out.finish is not None:
                 self.route.pop(out.rid, None)
-                self.headers.pop(out.rid, None)
+                headers = self.headers.pop(out.rid, None)
+                if out.finish.kind in ("abort", "error"):
+                    self._log_end(out, headers)
         for detok_id, items in by_detok.items():
             await self.bus.publish(
                 self.subjects.detokenizer(detok_id),
                 BatchTokenOut(scheduler_id=self.instance_id, items=items),
+                self._item_contexts(items) if self.spans is not None else None,
             )
+
+    def _item_contexts(self, items: list[TokenOut]) -> dict[str, str] | None:
+        """Each new request's trace context, for the detokenizer's span (first items only)."""
+        assert self.spans is not None
+        headers = {}
+        for i, item in enumerate(items):
+            if item.first and (tp := self.spans.traceparent(item.rid)) is not None:
+                headers[tracing.item_header(i)] = tp
+        return headers or None
+
 
     def _detokenizer_for(self, rid: str) -> str:
         alive = self._alive_detokenizers()
@@ -159,22 +189,53 @@ class SchedulerService(Service):
         return s
 
     def _maybe_log_stats(self) -> None:
+        """A stats line every --log-stats-interval seconds while busy."""
         now = time.monotonic()
-        if now - self._last_log < self.args.log_stats_interval:
+        if self._stats_since is None:  # the first step after idle opens a new window
+            self._stats_since = now
+        else:
+            self._log_stats_line(idle=False)
+
+    def _log_stats_line(self, idle: bool) -> None:
+        """Log the window that ends now, once it spans the interval; idle, the line closes the
+        window (if it did any work), and the next starts with the next step."""
+        if self._stats_since is None:
             return
+        now = time.monotonic()
+        elapsed = now - self._stats_since
+        if elapsed < self.args.log_stats_interval:
+            return  # a short pause between requests does not cut the window
         st = self.engine.stats()
-        elapsed = now - self._last_log if self._last_log else self.args.log_stats_interval
-        gen = st["generation_tokens_total"]
-        log.info(
-            "stats",
-            running=st["num_running"],
-            queued=st["num_waiting"],
-            kv_usage_pct=round(100 * st["kv_usage"], 1),
-            gen_tokens_per_s=round((gen - self._last_gen) / elapsed, 1),
-            retractions=st["num_retractions_total"],
-        )
-        self._last_log, self._last_gen = now, gen
+        gen, prompt = st["generation_tokens_total"], st["prompt_tokens_total"]
+        if not idle or gen != self._last_gen or prompt != self._last_prompt:
+            log.info(
+                "stats",
+                running=st["num_running"],
+                queued=st["num_waiting"],
+                kv_usage_pct=round(100 * st["kv_usage"], 1),
+                prompt_tokens_per_s=round((prompt - self._last_prompt) / elapsed, 1),
+                gen_tokens_per_s=round((gen - self._last_gen) / elapsed, 1),
+                retractions=st["num_retractions_total"],
+            )
+        self._last_gen, self._last_prompt = gen, prompt
+        self._stats_since = None if idle else now
+
+    def _log_retractions(self, step: StepStats) -> None:
+        for rid in step.retracted_rids:
+            request_logger(rid, tracing.trace_id(self.headers.get(rid))).info(
+                "request retracted", reason="KV cache full; resumes by recomputation")
+
+    def _log_end(self, out: TokenOut, headers: dict[str, str] | None) -> None:
+        assert out.finish is not None
+        rlog = request_logger(out.rid, tracing.trace_id(headers))
+        if out.finish.kind == "abort":
+            rlog.info("request aborted", reason=out.finish.message,
+                      completion_tokens=out.completion_tokens)
+        else:
+            rlog.warning("request failed", error=out.finish.message)
 
     async def shutdown(self) -> None:
         await super().shutdown()
         self.worker.shutdown(wait=False, cancel_futures=True)
+        if self.spans is not None:
+            self.spans.close_all("the scheduler stopped")

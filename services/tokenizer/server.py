@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 
+import structlog
+
+from common import tracing
 from common.config import ServerArgs
 from common.logging import get_logger
 from common.messages import AbortReq, ErrorOut, GenerateReq, Message, StatsOut, TokenizedReq
@@ -51,20 +54,41 @@ class TokenizerService(Service):
         try:
             if msg.rid in self.aborted:
                 return  # the scheduler never hears of it
-            try:
-                out = self.tokenize(msg)
-            except InputError as exc:
-                await self.bus.publish(
-                    self.subjects.gateway(msg.gateway_id),
-                    ErrorOut(rid=msg.rid, message=str(exc), status=exc.status, param=exc.param),
-                    headers,
-                )
-                return
+            with structlog.contextvars.bound_contextvars(rid=msg.rid,
+                                                         trace_id=tracing.trace_id(headers)):
+                try:
+                    out = self._traced_tokenize(msg, headers)
+                except InputError as exc:
+                    log.info("request rejected", error=str(exc), param=exc.param)
+                    await self.bus.publish(
+                        self.subjects.gateway(msg.gateway_id),
+                        ErrorOut(rid=msg.rid, message=str(exc), status=exc.status,
+                                 param=exc.param),
+                        headers,
+                    )
+                    return
             subject = (self.subjects.scheduler_instance(msg.scheduler_id) if msg.scheduler_id
                        else self.subjects.scheduler)
             await self.bus.publish(subject, out, headers)
         finally:
             self.in_flight.discard(msg.rid)
+
+    def _traced_tokenize(self, msg: GenerateReq, headers: dict[str, str]) -> TokenizedReq:
+        parent = tracing.extract(headers) if tracing.enabled() else None
+        if parent is None:
+            return self.tokenize(msg)
+        # The scheduler's spans hang under the gateway's, not this one: the headers go on as
+        # they came, so each stage's part of the request sits side by side under the request.
+        span = tracing.start_span("tokenize", parent, "consumer", {tracing.RID: msg.rid})
+        try:
+            out = self.tokenize(msg)
+        except InputError as exc:
+            tracing.set_error(span, str(exc), "invalid_request")
+            span.end()
+            raise
+        span.set_attribute(tracing.USAGE_INPUT_TOKENS, len(out.input_ids))
+        span.end()
+        return out
 
     def tokenize(self, msg: GenerateReq) -> TokenizedReq:
         if msg.input_ids is not None:
