@@ -23,6 +23,8 @@ class Bus:
         self.args = args
         self.name = name
         self.nc: Client | None = None
+        # called with False when the connection to NATS drops, True when it is back
+        self.on_connection_change: list[Callable[[bool], None]] = []
 
     async def connect(self, attempts: int = 120) -> None:
         """Connect, retrying while the server is not up yet (services may start first)."""
@@ -59,9 +61,22 @@ class Bus:
 
     async def _on_disconnect(self) -> None:
         log.warning("nats disconnected")
+        self._notify(False)
 
     async def _on_reconnect(self) -> None:
         log.info("nats reconnected")
+        self._notify(True)
+
+    def _notify(self, up: bool) -> None:
+        for callback in self.on_connection_change:
+            try:
+                callback(up)
+            except Exception:  # noqa: BLE001
+                log.exception("connection callback failed")
+
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
 
     async def publish(
         self, subject: str, msg: messages.Message, headers: dict[str, str] | None = None
@@ -69,11 +84,38 @@ class Bus:
         assert self.nc is not None
         await self.nc.publish(subject, messages.encode(msg), headers=headers or None)
 
-    async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> None:
-        """Deliver each decoded message to `handler`; a failing handler never kills the service."""
+    async def publish_acked(
+        self, subject: str, msg: messages.Message, headers: dict[str, str] | None = None,
+        timeout: float = 5.0,
+    ) -> messages.ReceiptOut:
+        """Publish and wait until a subscriber has received it; returns who did.
+
+        Plain NATS drops a message nobody listens to without a word. This one fails at once
+        with `nats.errors.NoRespondersError` when nobody listens (e.g. the only tokenizer is
+        restarting), and with `nats.errors.TimeoutError` when no receipt comes in `timeout`.
+        """
         assert self.nc is not None
+        reply = await self.nc.request(subject, messages.encode(msg), timeout=timeout,
+                                      headers=headers or None)
+        receipt = messages.decode(reply.data)
+        assert isinstance(receipt, messages.ReceiptOut), receipt
+        return receipt
+
+    async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> None:
+        """Deliver each decoded message to `handler`; a failing handler never kills the service.
+
+        A message sent with `publish_acked` is acknowledged on receipt, before the handler
+        runs."""
+        assert self.nc is not None
+        service, _, instance_id = self.name.partition(":")
+        receipt = messages.encode(messages.ReceiptOut(service=service, instance_id=instance_id))
 
         async def on_msg(raw: Msg) -> None:
+            if raw.reply:
+                try:
+                    await raw.respond(receipt)
+                except Exception as exc:  # noqa: BLE001 - the sender's timeout covers it
+                    log.warning("receipt not sent", subject=raw.subject, error=str(exc))
             try:
                 msg = messages.decode(raw.data)
             except Exception as exc:  # noqa: BLE001

@@ -145,6 +145,14 @@ class AcceptedOut(msgspec.Struct, tag=True, omit_defaults=True):
     scheduler_id: str
 
 
+class ReceiptOut(msgspec.Struct, tag=True):
+    """Any subscriber -> the sender of a message sent with `Bus.publish_acked`, on receipt
+    (before handling it): who took it. No receipt at all means nobody listens."""
+
+    service: str
+    instance_id: str
+
+
 class ErrorOut(msgspec.Struct, tag=True, omit_defaults=True):
     """Any stage -> gateway: the request failed; the gateway answers the client with it."""
 
@@ -207,6 +215,7 @@ Message = (
     | BatchTokenOut
     | BatchTextOut
     | AcceptedOut
+    | ReceiptOut
     | ErrorOut
     | AbortReq
     | FlushCacheReq

@@ -48,6 +48,7 @@ class DetokenizerService(Service):
         await self.bus.subscribe(self.subjects.abort, self.on_abort)
         self.traced = tracing.enabled()
         self.spawn(self._sweep())
+        self.bus.on_connection_change.append(self._on_nats_connection)
 
     def stats(self) -> StatsOut:
         s = super().stats()

@@ -1,12 +1,168 @@
-"""GET /openapi.json (filled out with every route and body by the hardening work)."""
+"""GET /openapi.json: every route, its body and its answers.
+
+The request bodies' schemas come from the Structs in `protocol.py` (msgspec writes them, ranges
+included), so the document cannot drift from what the server decodes. Only what the Structs
+leave loose on purpose (`messages`, `prompt`, whose items are checked by hand) is described
+here in more detail.
+"""
 
 from __future__ import annotations
 
+from typing import Any
 
-def spec(model_name: str) -> dict:
-    return {
-        "openapi": "3.0.3",
+import msgspec
+
+from services.gateway.protocol import (
+    MAX_N,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
+
+REF = "#/components/schemas/{name}"
+ROLES = ["system", "user", "assistant", "tool", "developer"]
+
+
+def _ref(name: str) -> dict:
+    return {"$ref": REF.format(name=name)}
+
+
+ERROR_RESPONSE = {
+    "title": "ErrorResponse",
+    "type": "object",
+    "description": "OpenAI's error body; `param` names the offending field when there is one.",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "code": {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]},
+            },
+        }
+    },
+}
+
+CHAT_MESSAGE = {
+    "title": "ChatMessage",
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"type": "string", "enum": ROLES},
+        "content": {"anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {
+                "type": "object", "required": ["type", "text"],
+                "properties": {"type": {"type": "string", "enum": ["text"]},
+                               "text": {"type": "string"}},
+            }},
+            {"type": "null"},
+        ]},
+        "name": {"type": "string"},
+    },
+}
+
+TOKEN_IDS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+TEXT = {"type": "string", "minLength": 1}
+PROMPT = {
+    "description": "a string, token ids, or a list of either (at most "
+                   f"{MAX_N} prompts)",
+    "anyOf": [
+        TEXT,
+        TOKEN_IDS,
+        {"type": "array", "minItems": 1, "maxItems": MAX_N, "items": TEXT},
+        {"type": "array", "minItems": 1, "maxItems": MAX_N, "items": TOKEN_IDS},
+    ],
+}
+
+ABORT_REQUEST = {
+    "title": "AbortRequest",
+    "type": "object",
+    "description": "give `rid` (the id a response carries) or `abort_all: true`",
+    "properties": {"rid": {"type": "string", "minLength": 1}, "abort_all": {"type": "boolean"}},
+}
+
+OBJECT = {"type": "object"}
+
+
+def _json(schema: dict, description: str = "OK") -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*statuses: int) -> dict:
+    described = {
+        400: "invalid request (the message and `param` say which field)",
+        401: "missing or wrong API key",
+        404: "unknown model",
+        413: "body larger than --max-request-bytes",
+        503: "overloaded (see Retry-After) or a stage is unavailable",
+        504: "no output in time",
+    }
+    return {str(s): _json(_ref("ErrorResponse"), described[s]) for s in statuses}
+
+
+def _generation(body: str, summary: str) -> dict:
+    streamed = {"description": "OK; with `stream: true` Server-Sent Events ending in "
+                               "`data: [DONE]` (an error mid-stream is an `{\"error\": ...}` "
+                               "event)",
+                "content": {"application/json": {"schema": OBJECT},
+                            "text/event-stream": {"schema": {"type": "string"}}}}
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": _ref(body)}}},
+        "responses": {"200": streamed, **_errors(400, 401, 404, 413, 503, 504)},
+    }}
+
+
+def _get(summary: str, schema: dict | None = None, content_type: str = "application/json",
+         errors: tuple[int, ...] = (401,)) -> dict:
+    ok = {"description": "OK", "content": {content_type: {"schema": schema or OBJECT}}}
+    return {"summary": summary, "responses": {"200": ok, **_errors(*errors)}}
+
+
+def spec(model_name: str, api_key: bool = False) -> dict[str, Any]:
+    _, schemas = msgspec.json.schema_components(
+        [ChatCompletionRequest, CompletionRequest, GenerateRequest], ref_template=REF)
+    schemas["ChatCompletionRequest"]["properties"]["messages"] = {
+        "type": "array", "minItems": 1, "items": _ref("ChatMessage")}
+    schemas["CompletionRequest"]["properties"]["prompt"] = PROMPT
+    schemas["GenerateRequest"]["oneOf"] = [  # exactly one of them
+        {"required": ["text"], "properties": {"text": TEXT}},
+        {"required": ["input_ids"], "properties": {"input_ids": TOKEN_IDS}},
+    ]
+    schemas.update(ChatMessage=CHAT_MESSAGE, AbortRequest=ABORT_REQUEST,
+                   ErrorResponse=ERROR_RESPONSE)
+    flush = _get("drop the prefix cache (refused while requests run)", errors=(400, 401, 503))
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
         "info": {"title": "tokenline", "version": "0.1.0",
                  "description": f"OpenAI-compatible serving of {model_name}"},
-        "paths": {},
+        "paths": {
+            "/v1/chat/completions": _generation("ChatCompletionRequest", "chat completion"),
+            "/v1/completions": _generation("CompletionRequest", "text completion"),
+            "/generate": _generation("GenerateRequest", "SGLang-style native generation"),
+            "/v1/models": {"get": _get("the served model")},
+            "/health": {"get": {**_get("ready when every stage has a live instance",
+                                       errors=(503,)), "security": []}},
+            "/get_server_info": {"get": _get("engine facts (KV pool, model, schedulers)")},
+            "/metrics": {"get": {**_get("Prometheus metrics", {"type": "string"}, "text/plain",
+                                        errors=(404,)), "security": []}},
+            "/openapi.json": {"get": {**_get("this document", errors=()), "security": []}},
+            "/flush_cache": {"get": flush, "post": flush},
+            "/abort_request": {"post": {
+                "summary": "abort a request by id, or all of them",
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": _ref("AbortRequest")}}},
+                "responses": {"200": _json(OBJECT), **_errors(400, 401)},
+            }},
+        },
+        "components": {"schemas": schemas},
     }
+    if api_key:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc

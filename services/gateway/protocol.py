@@ -6,11 +6,31 @@ Unknown fields are ignored, as vLLM does. Every error names the field it is abou
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
 
 from common.messages import SamplingParams
+
+MAX_N = 16  # most choices (and most prompts) per request
+MAX_LOGPROBS = 20
+
+# The ranges live in the types: msgspec checks them while decoding (the error names the field)
+# and /openapi.json documents them. Every integer crosses NATS as msgpack int64, so none may be
+# larger: a client's 2**70 is a 400, not a crash.
+Int = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
+NonNeg = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Positive = Annotated[int, Meta(ge=1, le=2**63 - 1)]
+TopK = Annotated[int, Meta(ge=-1, le=2**63 - 1, description="-1 (off) or >= 1")]
+N = Annotated[int, Meta(ge=1, le=MAX_N)]
+Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+Temperature = Annotated[float, Meta(ge=0)]
+Probability = Annotated[float, Meta(ge=0, le=1)]
+TopP = Annotated[float, Meta(gt=0, le=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+RepetitionPenalty = Annotated[float, Meta(gt=0, le=10)]
+Bias = Annotated[float, Meta(ge=-100, le=100)]
 
 
 class APIError(Exception):
@@ -54,77 +74,77 @@ class _Sampling(msgspec.Struct, kw_only=True):
     """Fields shared by every route (OpenAI's plus vLLM/SGLang's extras)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
+    max_tokens: Positive | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    top_k: TopK | None = None
+    min_p: Probability | None = None
+    n: N = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    stop_token_ids: list[NonNeg] | None = None
+    seed: Int | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: dict[str, Bias] | None = None
     ignore_eos: bool = False
-    min_tokens: int = 0
+    min_tokens: NonNeg = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: int = 0
+    priority: Int = 0
     user: str | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[Any]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Positive | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[Any]  # a string, token ids, or a list of either (checked later)
-    logprobs: int | None = None
+    logprobs: Logprobs | None = None
     echo: bool = False
-    best_of: int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
 
 class GenerateSamplingParams(msgspec.Struct, kw_only=True):
-    max_new_tokens: int | None = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: dict[str, float] | None = None
+    max_new_tokens: Positive | None = 128
+    min_new_tokens: NonNeg = 0
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: Probability = 0.0
+    seed: Int | None = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    logit_bias: dict[str, Bias] | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[NonNeg] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    n: int = 1
+    n: N = 1
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
     """SGLang's native /generate."""
 
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[NonNeg] | None = None
     sampling_params: GenerateSamplingParams = msgspec.field(
         default_factory=GenerateSamplingParams)
     stream: bool = False
     rid: str | None = None
-    priority: int = 0
+    priority: Int = 0
     return_logprob: bool = False
-    top_logprobs_num: int = 0
+    top_logprobs_num: Logprobs = 0
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
@@ -137,11 +157,16 @@ def decode_body(body: bytes, kind: type) -> Any:
     except msgspec.ValidationError as exc:
         text = str(exc)
         m = _PATH.search(text)
-        param = m.group(1) if m else None
+        param = (m.group(1) or None) if m else None  # `$` itself: the body as a whole
         if param is None and "missing required field" in text:
             m2 = re.search(r"`([^`]+)`", text)
             param = m2.group(1) if m2 else None
+        if param:
+            raise APIError(f"invalid `{param}`: {_PATH.sub('', text).rstrip(' -')}",
+                           param) from None
         raise APIError(f"invalid request: {text}", param) from None
+    except UnicodeDecodeError as exc:  # msgspec decodes strings lazily: bad bytes surface here
+        raise APIError(f"the body is not valid UTF-8: {exc}", None) from None
     except msgspec.DecodeError as exc:
         msg = str(exc)
         if "UTF-8" in msg or "utf-8" in msg:

@@ -48,6 +48,7 @@ log = get_logger("gateway")
 
 STAGES = ("tokenizer", "scheduler", "detokenizer")
 MAX_N = 16
+TOKENIZER_WAIT_S = 1.0  # a request waits this long for a tokenizer (one restarting) before 503
 
 
 def _json(data: dict, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -98,6 +99,8 @@ class GatewayService(Service):
         await self.bus.subscribe(self.subjects.gateway(self.instance_id), self.on_output)
         await self.bus.subscribe(self.subjects.stats_all(), self.on_stats)
         self.spawn(self._watch_schedulers())
+        self.spawn(self._watch_tokenizers())
+        self.bus.on_connection_change.append(self._on_nats_connection)
         app = self.make_app()
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
@@ -206,6 +209,79 @@ class GatewayService(Service):
                 "request moved", scheduler_id=target, resumed_after=len(msg.output_ids))
             await self.bus.publish(self.subjects.tokenizer, msg, sub.headers)
 
+    # -- tokenizer loss -------------------------------------------------------------------------
+    async def _watch_tokenizers(self) -> None:
+        """Call `_on_tokenizer_lost` once for each tokenizer whose heartbeats stopped."""
+        tick = min(0.25, self.args.heartbeat_timeout / 4)
+        lost: set[str] = set()
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(tick)
+            now = time.monotonic()
+            stalled, last = now - last > tick + self.args.heartbeat_timeout / 2, now
+            if stalled or not self.bus.connected:  # heartbeats may be late, not missing
+                continue
+            known = {i for (service, i) in self.peers if service == "tokenizer"}
+            dead = known - {s.instance_id for s in self.alive("tokenizer")}
+            for tokenizer_id in sorted(dead - lost):
+                self._on_tokenizer_lost(tokenizer_id)
+            lost = dead
+
+    def _on_tokenizer_lost(self, tokenizer_id: str) -> None:
+        """Fail at once the requests a dead tokenizer took but no scheduler accepted yet."""
+        victims = [s for s in self.tracker.subs.values()
+                   if s.tokenizer_id == tokenizer_id and s.scheduler_id is None
+                   and s.finish is None and not s.finished]
+        if victims:
+            log.warning("tokenizer lost", tokenizer_id=tokenizer_id, requests=len(victims))
+        for sub in victims:
+            self.tracker.deliver(ErrorOut(
+                rid=sub.msg.rid, status=503, err_type="service_unavailable",
+                code="tokenizer_lost",
+                message=f"the tokenizer handling this request ({tokenizer_id}) stopped "
+                        "responding; retry shortly"))
+
+    # -- NATS loss ------------------------------------------------------------------------------
+    def _on_nats_connection(self, up: bool) -> None:
+        """Cut off from NATS, the gateway cannot tell what its requests' outputs were (core NATS
+        delivers at most once: a stream would go on with a silent gap), so each fails now with
+        a 503. Once back, every peer's silence counts from the reconnection."""
+        if up:
+            now = time.monotonic()
+            for key in self.peer_seen:
+                self.peer_seen[key] = now
+            return
+        victims = [s for s in self.tracker.subs.values() if s.finish is None and not s.finished]
+        if victims:
+            log.warning("NATS connection lost", requests=len(victims))
+        for sub in victims:
+            self.tracker.deliver(ErrorOut(
+                rid=sub.msg.rid, status=503, err_type="service_unavailable",
+                code="nats_disconnected",
+                message="the gateway lost its connection to NATS while this request ran; "
+                        "retry shortly"))
+
+    async def _to_tokenizer(self, msg: GenerateReq, headers: dict[str, str]) -> str:
+        """Hand a request to a tokenizer and return the id of the one that took it.
+
+        Plain NATS would drop it without a word while no tokenizer listens (the only one is
+        restarting); here that is a 503 after a short wait instead of a hang."""
+        deadline = time.monotonic() + TOKENIZER_WAIT_S
+        while True:
+            try:
+                receipt = await self.bus.publish_acked(self.subjects.tokenizer, msg, headers,
+                                                       timeout=self.args.heartbeat_timeout)
+                return receipt.instance_id
+            except nats.errors.NoRespondersError:
+                if time.monotonic() >= deadline:
+                    raise APIError("no tokenizer is available; retry shortly", None, 503,
+                                   "service_unavailable", "no_tokenizer") from None
+                await asyncio.sleep(0.1)
+            except nats.errors.Error as exc:  # timeout, or NATS itself is unreachable
+                raise APIError(f"the request could not be handed to a tokenizer ({exc}); "
+                               "retry shortly", None, 503, "service_unavailable",
+                               "tokenizer_unreachable") from None
+
     @property
     def tokenizer(self):
         if self._tokenizer is None:
@@ -305,7 +381,7 @@ class GatewayService(Service):
     async def openapi(self, request: web.Request) -> web.Response:
         from services.gateway.openapi import spec
 
-        return _json(spec(self.model_name))
+        return _json(spec(self.model_name, api_key=bool(self.args.api_key)))
 
     async def abort_request(self, request: web.Request) -> web.Response:
         body = await request.read()
@@ -360,14 +436,20 @@ class GatewayService(Service):
     async def _start(self, subs_msgs: list[GenerateReq], headers: dict[str, str],
                      group: str) -> tuple[asyncio.Queue, list[SubRequest]]:
         if not self.alive("scheduler") and self.peers:
-            raise APIError("no scheduler is alive; retry shortly", None, 503)
+            raise APIError("no scheduler is alive; retry shortly", None, 503,
+                           "service_unavailable", "no_scheduler")
         queue: asyncio.Queue = asyncio.Queue()
         subs = [self.tracker.add(m, i, queue) for i, m in enumerate(subs_msgs)]
         for sub in subs:
             sub.headers = headers
         self.groups[group] = [m.rid for m in subs_msgs]
-        for m in subs_msgs:
-            await self.bus.publish(self.subjects.tokenizer, m, headers)
+        try:
+            taken_by = await asyncio.gather(*(self._to_tokenizer(m, headers) for m in subs_msgs))
+        except BaseException as exc:  # none may stay behind in the tracker
+            await self._finish(subs, group, getattr(exc, "message", "not submitted"))
+            raise
+        for sub, tokenizer_id in zip(subs, taken_by, strict=True):
+            sub.tokenizer_id = tokenizer_id
         return queue, subs
 
     async def _finish(self, subs: list[SubRequest], group: str, reason: str) -> None:
@@ -379,7 +461,10 @@ class GatewayService(Service):
             log.info("request ended early", reason=reason)
             self.metrics.observe_abandoned(sum(not s.finished for s in subs))
         for sub in subs:
-            if not sub.finished:
+            # Ended by an error after a scheduler took it (its scheduler or detokenizer died):
+            # the stages still alive may hold state for it, so they hear of the end too.
+            failed_midway = sub.finish is None and sub.scheduler_id is not None
+            if not sub.finished or failed_midway:
                 sub.finished = True
                 try:
                     await self.bus.publish(self.subjects.abort, AbortReq(rid=sub.msg.rid,
@@ -464,6 +549,7 @@ class GatewayService(Service):
         self._check_model(req.model)
         if not req.messages:
             raise APIError("messages must not be empty", "messages")
+        self._check_messages(req.messages)
         if req.n < 1 or req.n > MAX_N:
             raise APIError(f"n must be in [1, {MAX_N}], got {req.n}", "n")
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
@@ -590,7 +676,7 @@ class GatewayService(Service):
         if not prompt:
             raise APIError("prompt must not be empty", "prompt")
         if all(isinstance(x, int) for x in prompt):
-            return [{"input_ids": list(prompt)}]
+            return [{"input_ids": self._token_ids(prompt)}]
         if len(prompt) > MAX_N:
             raise APIError(f"at most {MAX_N} prompts per request", "prompt")
         out = []
@@ -598,11 +684,31 @@ class GatewayService(Service):
             if isinstance(x, str):
                 out.append({"text": x})
             elif isinstance(x, list) and x and all(isinstance(t, int) for t in x):
-                out.append({"input_ids": x})
+                out.append({"input_ids": self._token_ids(x)})
             else:
                 raise APIError("prompt must be a string, a list of strings, a list of token "
                                "ids, or a list of such lists", "prompt")
         return out
+
+    def _token_ids(self, ids: list) -> list[int]:
+        for t in ids:
+            if type(t) is not int:  # a bool is an int to Python, not to the tokenizer
+                raise APIError(f"prompt token ids must be integers, got {t!r}", "prompt")
+            if not 0 <= t < self.info.vocab_size:
+                raise APIError(f"token id {t} is outside the vocabulary "
+                               f"[0, {self.info.vocab_size})", "prompt")
+        return list(ids)
+
+    @staticmethod
+    def _check_messages(messages: list) -> None:
+        """Refuse here what could not even reach the tokenizer (it checks roles and content)."""
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise APIError(f"messages[{i}] must be an object", f"messages[{i}]")
+        try:
+            msgspec.msgpack.encode(messages)
+        except (OverflowError, TypeError) as exc:  # e.g. an integer beyond 64 bits
+            raise APIError(f"messages cannot be sent on: {exc}", "messages") from None
 
     def _params(self, req, max_tokens, logprobs, max_tokens_param) -> SamplingParams:
         return build_params(

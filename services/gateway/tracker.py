@@ -23,6 +23,7 @@ class SubRequest:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     scheduler_id: str | None = None
+    tokenizer_id: str | None = None  # who took it (until a scheduler accepts it)
     finish: Finish | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0

@@ -19,12 +19,16 @@ log = get_logger("launcher")
 
 SERVICES = ("detokenizer", "tokenizer", "scheduler", "gateway")
 RESTART_BACKOFF_S = (0.5, 1, 2, 4, 8)
+# Handed to the children in their environment (TOKENLINE_<FLAG>), never on a command line that
+# `ps` shows to every user of the machine.
+SECRETS = ("nats_password", "nats_token", "api_key")
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str]) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.name = name
         self.argv = argv
+        self.env = env
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.next_start = 0.0
@@ -32,7 +36,7 @@ class Child:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{self.name}", *self.argv],
-            preexec_fn=die_with_parent,
+            preexec_fn=die_with_parent, env=self.env,
         )
 
     def alive(self) -> bool:
@@ -57,8 +61,12 @@ class Launcher:
                                    token=args.nats_token).start()
             args = dataclasses.replace(args, nats_url=self.nats.url)
             log.info("embedded NATS server", url=self.nats.url)
-        argv = to_argv(dataclasses.replace(args, instance_id=None))
-        self.children = [Child(name, argv) for name in SERVICES]
+        argv = to_argv(dataclasses.replace(args, instance_id=None, **dict.fromkeys(SECRETS)))
+        env = dict(os.environ)
+        for name in SECRETS:
+            if (value := getattr(args, name)) is not None:
+                env["TOKENLINE_" + name.upper()] = value
+        self.children = [Child(name, argv, env) for name in SERVICES]
         for child in self.children:
             child.start()
         ready = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -52,6 +53,7 @@ class NatsServer:
         self.user, self.password, self.token = user, password, token
         self.monitor_port = monitor_port
         self.proc: subprocess.Popen | None = None
+        self.config_path: str | None = None
         self.log_path = os.path.join(tempfile.gettempdir(), f"tokenline-nats-{self.port}.log")
 
     @property
@@ -60,10 +62,8 @@ class NatsServer:
 
     def start(self) -> NatsServer:
         cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port)]
-        if self.user:
-            cmd += ["--user", self.user, "--pass", self.password or ""]
-        if self.token:
-            cmd += ["--auth", self.token]
+        if self.user or self.token:  # in a private file: a command line is public (`ps`)
+            cmd += ["-c", self._auth_config()]
         if self.monitor_port:
             cmd += ["-m", str(self.monitor_port)]
         log = open(self.log_path, "ab")
@@ -71,6 +71,16 @@ class NatsServer:
                                      preexec_fn=die_with_parent)
         wait_for_port(self.host, self.port)
         return self
+
+    def _auth_config(self) -> str:
+        if self.user:
+            auth = f"user: {json.dumps(self.user)}\npassword: {json.dumps(self.password or '')}"
+        else:
+            auth = f"token: {json.dumps(self.token)}"
+        fd, self.config_path = tempfile.mkstemp(prefix="tokenline-nats-", suffix=".conf")  # 0600
+        with os.fdopen(fd, "w") as f:
+            f.write(f"authorization {{\n{auth}\n}}\n")
+        return self.config_path
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -80,6 +90,9 @@ class NatsServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.config_path is not None:
+            os.unlink(self.config_path)
+            self.config_path = None
 
     def __enter__(self) -> NatsServer:
         return self.start()

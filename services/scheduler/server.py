@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 import zlib
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 
 from common import tracing
@@ -46,6 +46,12 @@ class SchedulerService(Service):
         self.step_lock = asyncio.Lock()
         self.detokenizers: dict[str, float] = {}  # id -> last heartbeat (monotonic)
         self.route: dict[str, str] = {}  # rid -> detokenizer id, for the request's whole life
+        self.gateway_of: dict[str, str] = {}  # rid -> gateway id, while the request lives
+        # (time, rid, gateway id, detokenizer id) of requests that ended lately: their last
+        # output may have gone to a detokenizer that died before passing it on
+        self.ended: deque[tuple[float, str, str, str]] = deque()
+        self.failed: set[str] = set()  # told the gateway it failed; its abort is under way
+        self.detokenizer_seen = asyncio.Event()
         self.headers: dict[str, dict[str, str]] = {}
         self.spans: SchedulerSpans | None = None  # set up only when tracing is on
         self._seen_step: StepStats | None = None
@@ -54,11 +60,17 @@ class SchedulerService(Service):
         self._last_prompt = 0
 
     async def setup(self) -> None:
+        # Outputs need a detokenizer to go to: take no request before one is known.
+        await self.bus.subscribe(self.subjects.stats_all("detokenizer"), self.on_detok_stats)
+        if not self.detokenizer_seen.is_set():
+            log.info("waiting for a detokenizer's heartbeat")
+            await self.detokenizer_seen.wait()
         await self.bus.subscribe(self.subjects.scheduler, self.on_request, queue=SCHEDULER_QUEUE)
         await self.bus.subscribe(self.subjects.scheduler_instance(self.instance_id),
                                  self.on_request)
         await self.bus.subscribe(self.subjects.abort, self.on_abort)
-        await self.bus.subscribe(self.subjects.stats_all("detokenizer"), self.on_detok_stats)
+        self.spawn(self._watch_detokenizers())
+        self.bus.on_connection_change.append(self._on_nats_connection)
         await self.bus.subscribe_requests(self.subjects.flush_cache, self.on_flush)
         if tracing.enabled():
             self.spans = SchedulerSpans()
@@ -77,6 +89,7 @@ class SchedulerService(Service):
             ))
             return
         self.headers[msg.rid] = headers
+        self.gateway_of[msg.rid] = msg.gateway_id
         if self.spans is not None:
             self.spans.arrive(msg, headers)
         self.engine.submit(msg)
@@ -92,6 +105,7 @@ class SchedulerService(Service):
     async def on_detok_stats(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, StatsOut):
             self.detokenizers[msg.instance_id] = time.monotonic()
+            self.detokenizer_seen.set()
 
     async def on_flush(self, msg: Message) -> Message:
         assert isinstance(msg, FlushCacheReq)
@@ -122,7 +136,10 @@ class SchedulerService(Service):
                 self._seen_step = self.engine.last_step
                 self._log_retractions(self._seen_step)
             if outputs:
-                await self._publish(outputs)
+                try:
+                    await self._publish(outputs)
+                except Exception:  # noqa: BLE001 - e.g. NATS's buffer full while cut off
+                    log.exception("publishing a step's outputs failed")
             if self.spans is not None:  # after publishing: the detokenizer got their contexts
                 self.spans.after_step(outputs, self.engine.last_step, t0, t1)
             self._maybe_log_stats()
@@ -142,9 +159,19 @@ class SchedulerService(Service):
 
     async def _publish(self, outputs: list[TokenOut]) -> None:
         by_detok: dict[str, list[TokenOut]] = defaultdict(list)
+        now = time.monotonic()
         for out in outputs:
-            by_detok[self._detokenizer_for(out.rid)].append(out)
+            detok_id = self._detokenizer_for(out.rid)
+            if detok_id is None:
+                await self._fail(out.rid, out.gateway_id, out.finish is None,
+                                 "no detokenizer is alive to decode this request", "no_detokenizer")
+            elif out.rid not in self.failed:
+                by_detok[detok_id].append(out)
             if out.finish is not None:
+                if detok_id is not None:
+                    self.ended.append((now, out.rid, out.gateway_id, detok_id))
+                self.failed.discard(out.rid)
+                self.gateway_of.pop(out.rid, None)
                 self.route.pop(out.rid, None)
                 headers = self.headers.pop(out.rid, None)
                 if out.finish.kind in ("abort", "error"):
@@ -165,17 +192,69 @@ class SchedulerService(Service):
                 headers[tracing.item_header(i)] = tp
         return headers or None
 
-
-    def _detokenizer_for(self, rid: str) -> str:
-        alive = self._alive_detokenizers()
+    def _detokenizer_for(self, rid: str) -> str | None:
         current = self.route.get(rid)
-        if current is not None and current in alive:
-            return current
+        if current is not None:
+            return current  # until it is declared lost (`_on_detokenizer_lost`)
+        alive = self._alive_detokenizers()
         if not alive:
-            return current or "none"
+            return None
         chosen = alive[zlib.crc32(rid.encode()) % len(alive)]
         self.route[rid] = chosen
         return chosen
+
+    # -- detokenizer loss -----------------------------------------------------------------------
+    async def _watch_detokenizers(self) -> None:
+        """Call `_on_detokenizer_lost` once for each detokenizer whose heartbeats stopped."""
+        while True:
+            await asyncio.sleep(min(0.25, self.args.heartbeat_timeout / 4))
+            cutoff = time.monotonic() - 2 * self.args.heartbeat_timeout
+            while self.ended and self.ended[0][0] < cutoff:
+                self.ended.popleft()
+            if not self.bus.connected:
+                continue  # we hear nobody: that says nothing about them
+            alive = set(self._alive_detokenizers())
+            for detok_id in sorted(set(self.detokenizers) - alive):
+                del self.detokenizers[detok_id]  # a heartbeat brings it back
+                await self._on_detokenizer_lost(detok_id)
+
+    def _on_nats_connection(self, up: bool) -> None:
+        if up:  # count the detokenizers' silence from now, not from before we were cut off
+            now = time.monotonic()
+            for detok_id in self.detokenizers:
+                self.detokenizers[detok_id] = now
+
+    async def _on_detokenizer_lost(self, detok_id: str) -> None:
+        """Fail at once every request whose text a dead detokenizer was making.
+
+        Its decoding state and whatever output it had not passed on are gone: a new detokenizer
+        could not continue the text without a gap, so the request ends with a 503 (freeing its
+        blocks), and so does one whose last output may have died with it."""
+        running = [(rid, self.gateway_of.get(rid)) for rid, d in self.route.items()
+                   if d == detok_id]
+        ended = [(rid, gw) for _, rid, gw, d in self.ended if d == detok_id]
+        if running or ended:
+            log.warning("detokenizer lost", detokenizer_id=detok_id, requests=len(running))
+        message = f"the detokenizer decoding this request ({detok_id}) stopped responding"
+        for rid, gateway_id in running:
+            self.route.pop(rid, None)
+            if gateway_id is not None:
+                await self._fail(rid, gateway_id, True, message, "detokenizer_lost")
+        for rid, gateway_id in ended:  # a gateway that did get the end ignores this
+            await self._fail(rid, gateway_id, False, message, "detokenizer_lost")
+
+    async def _fail(self, rid: str, gateway_id: str, abort: bool, message: str,
+                    code: str) -> None:
+        """Tell the gateway directly (no detokenizer in between) and stop the request."""
+        if rid in self.failed:
+            return
+        if abort:
+            self.failed.add(rid)
+            self.engine.abort(AbortReq(rid=rid, reason=message))
+            self.wake.set()
+        await self.bus.publish(self.subjects.gateway(gateway_id), ErrorOut(
+            rid=rid, message=message + "; retry", status=503, err_type="service_unavailable",
+            code=code))
 
     def _alive_detokenizers(self) -> list[str]:
         cutoff = time.monotonic() - self.args.heartbeat_timeout

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 
+import nats.errors
 import structlog
 
 from common import tracing
 from common.config import ServerArgs
-from common.logging import get_logger
+from common.logging import get_logger, request_logger
 from common.messages import AbortReq, ErrorOut, GenerateReq, Message, StatsOut, TokenizedReq
 from common.modelstore import model_info, prepare_model
 from common.service import Service
@@ -67,11 +68,35 @@ class TokenizerService(Service):
                         headers,
                     )
                     return
+                except Exception as exc:  # noqa: BLE001 - a bug here must not lose the request
+                    log.exception("tokenization failed")
+                    await self.bus.publish(self.subjects.gateway(msg.gateway_id), ErrorOut(
+                        rid=msg.rid, message=f"tokenization failed: {exc}", status=500,
+                        err_type="server_error"), headers)
+                    return
             subject = (self.subjects.scheduler_instance(msg.scheduler_id) if msg.scheduler_id
                        else self.subjects.scheduler)
-            await self.bus.publish(subject, out, headers)
+            await self._forward(subject, out, headers)
         finally:
             self.in_flight.discard(msg.rid)
+
+    async def _forward(self, subject: str, out: TokenizedReq, headers: dict[str, str]) -> None:
+        """To a scheduler, with a receipt: when none listens (the only one is restarting, or the
+        one a moved request is pinned to is gone) the gateway hears so at once, not never."""
+        try:
+            await self.bus.publish_acked(subject, out, headers,
+                                         timeout=self.args.heartbeat_timeout)
+            return
+        except nats.errors.NoRespondersError:
+            message, code = "no scheduler is available; retry shortly", "no_scheduler"
+        except nats.errors.Error as exc:  # no receipt in time, or NATS is unreachable
+            message = f"the request could not be handed to a scheduler ({exc}); retry shortly"
+            code = "scheduler_unreachable"
+        request_logger(out.rid, tracing.trace_id(headers)).warning("request not forwarded",
+                                                                  error=message)
+        await self.bus.publish(self.subjects.gateway(out.gateway_id), ErrorOut(
+            rid=out.rid, message=message, status=503, err_type="service_unavailable", code=code),
+            headers)
 
     def _traced_tokenize(self, msg: GenerateReq, headers: dict[str, str]) -> TokenizedReq:
         parent = tracing.extract(headers) if tracing.enabled() else None
@@ -105,11 +130,12 @@ class TokenizerService(Service):
             raise InputError("the prompt is empty", "prompt")
         params = msg.params
         room = self.max_model_len - len(ids)
+        if room <= 0:  # no room for even one token, whatever max_tokens says
+            raise InputError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, your prompt has {len(ids)} tokens.",
+                "messages" if msg.messages is not None else "prompt")
         if params.max_new_tokens is None:
-            if room <= 0:
-                raise InputError(
-                    f"This model's maximum context length is {self.max_model_len} tokens. "
-                    f"However, your prompt has {len(ids)} tokens.", "messages")
             params.max_new_tokens = room
         elif len(ids) + params.max_new_tokens > self.max_model_len:
             raise InputError(

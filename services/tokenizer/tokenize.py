@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from datetime import datetime
 
-import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -42,7 +41,7 @@ class TextTokenizer:
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise InputError(f"messages[{i}] must be an object", f"messages[{i}]")
-            if m.get("role") not in ROLES:
+            if not isinstance(m.get("role"), str) or m["role"] not in ROLES:
                 raise InputError(
                     f"messages[{i}].role {m.get('role')!r} is not one of {sorted(ROLES)}",
                     f"messages[{i}].role",
@@ -75,7 +74,9 @@ class TextTokenizer:
                 bos_token=self.info.bos_token or "",
                 eos_token=self.info.eos_token or "",
             )
-        except jinja2.TemplateError as exc:
+        except InputError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - odd messages break templates in odd ways
             raise InputError(f"chat template failed: {exc}", "messages") from exc
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:

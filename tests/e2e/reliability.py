@@ -1,0 +1,214 @@
+"""What the hardening tests share: HTTP calls, the error shape, the books after a test, and the
+stack's service processes (to kill them)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import requests
+
+from tests.helpers import Stack, metric
+
+SERVICES = ("tokenizer", "scheduler", "detokenizer", "gateway")
+STAGES = ("tokenizer", "scheduler", "detokenizer")
+
+
+def tiny_stack(model_dir: Path, *flags: str, max_model_len: int = 256,
+               env: dict | None = None) -> Stack:
+    """A stack of the tiny random Llama: quick to start, quick to generate with (it seldom
+    samples EOS, so a request without max_tokens runs to the context length: keep that short)."""
+    return Stack("--model", str(model_dir), "--served-model-name", "tiny",
+                 "--max-model-len", str(max_model_len), "--max-total-tokens", "16384",
+                 "--stats-interval", "0.25", *flags, env=env)
+
+
+def assert_openai_error(resp: requests.Response, status: int, param: str | None = "",
+                        *contains: str) -> dict:
+    """`resp` is `status` with OpenAI's error body; `param` as given ("" = don't care)."""
+    assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    assert resp.headers["Content-Type"].startswith("application/json"), resp.headers
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    if param != "":
+        assert err["param"] == param, err
+    for text in contains:
+        assert text in err["message"], err
+    return err
+
+
+def metrics(url: str) -> str:
+    return requests.get(url + "/metrics", timeout=10).text
+
+
+def books(url: str) -> dict[str, float]:
+    """KV blocks and per-request state, as /metrics has them."""
+    text = metrics(url)
+    out = {"free": metric(text, "tokenline:kv_cache_free_blocks"),
+           "total": metric(text, "tokenline:kv_cache_total_blocks")}
+    for svc in ("gateway", *STAGES):
+        out[svc] = metric(text, "tokenline:requests_in_flight", service=svc)
+    return out
+
+
+def assert_books_balance(url: str, headers: dict | None = None, timeout: float = 20) -> dict:
+    """Once idle and the prefix cache is flushed, every KV block is free and no service holds
+    a request. Heartbeats lag by --stats-interval, so poll."""
+    deadline = time.monotonic() + timeout
+    while True:
+        flushed = requests.post(url + "/flush_cache", headers=headers, timeout=10)
+        b = books(url)
+        leaks = {k: v for k, v in b.items() if k not in ("free", "total") and v}
+        if flushed.ok and b["total"] > 0 and b["free"] == b["total"] and not leaks:
+            return b
+        if time.monotonic() > deadline:
+            raise AssertionError(f"books do not balance: {b} (flush: {flushed.status_code} "
+                                 f"{flushed.text[:200]})")
+        time.sleep(0.25)
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            kids.append(int(entry))
+    return kids
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
+def service_pids(stack: Stack) -> dict[str, int]:
+    """The launcher's children by the name `ps` shows (`python -m services.<name>`)."""
+    assert stack.proc is not None
+    found = {}
+    for pid in _children(stack.proc.pid):
+        argv = cmdline(pid)
+        for name in SERVICES:
+            if f"services.{name}" in argv:
+                found[name] = pid
+    return found
+
+
+def kill9(stack: Stack, name: str) -> int:
+    pid = service_pids(stack)[name]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def wait_restarted(stack: Stack, name: str, old_pid: int, timeout: float = 30) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pid = service_pids(stack).get(name)
+        if pid is not None and pid != old_pid:
+            return pid
+        time.sleep(0.1)
+    raise AssertionError(f"{name} was not restarted within {timeout}s:\n{stack.logs()[-3000:]}")
+
+
+# -- clients that record what a user would see -------------------------------------------------
+@dataclass
+class Outcome:
+    """One request as its client saw it: an HTTP status, then (streaming) what came."""
+
+    status: int
+    text: str = ""
+    finish: str | None = None
+    completion_tokens: int | None = None
+    error: dict | None = None  # OpenAI's error object: the body's, or a stream's error event
+    elapsed: float = 0.0
+    first_chunk_s: float | None = None
+    retry_after: str | None = None
+    done: bool = False  # the stream ended with `data: [DONE]`
+    ended_at: float = 0.0  # time.monotonic() when the answer was complete
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None and self.finish is not None
+
+
+async def complete(session: aiohttp.ClientSession, url: str, body: dict,
+                   headers: dict | None = None, started: asyncio.Event | None = None,
+                   timeout: float = 60) -> Outcome:
+    """POST /v1/completions; streaming when `body` says so. A client timeout is a hang: it is
+    reported as status 0, which no test accepts."""
+    t0 = time.monotonic()
+    try:
+        async with asyncio.timeout(timeout):
+            out = await _complete(session, url, body, headers, started, t0)
+    except TimeoutError:
+        out = Outcome(0, error={"message": f"no answer in {timeout}s (a hang)"},
+                      elapsed=time.monotonic() - t0)
+    out.ended_at = time.monotonic()
+    return out
+
+
+async def _complete(session, url, body, headers, started, t0) -> Outcome:
+    async with session.post(url + "/v1/completions", json=body, headers=headers) as resp:
+        out = Outcome(resp.status, retry_after=resp.headers.get("Retry-After"))
+        if resp.status != 200 or not body.get("stream"):
+            data = await resp.json(content_type=None)
+            out.elapsed = time.monotonic() - t0
+            if resp.status != 200:
+                out.error = data["error"]
+            else:
+                out.text = data["choices"][0]["text"]
+                out.finish = data["choices"][0]["finish_reason"]
+                out.completion_tokens = data["usage"]["completion_tokens"]
+            return out
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: "):
+                continue
+            data = line[len(b"data: "):]
+            if data == b"[DONE]":
+                out.done = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                out.error = event["error"]
+                continue
+            if out.first_chunk_s is None:
+                out.first_chunk_s = time.monotonic() - t0
+                if started is not None:
+                    started.set()
+            for choice in event["choices"]:
+                out.text += choice["text"]
+                out.finish = choice["finish_reason"] or out.finish
+            if event.get("usage"):
+                out.completion_tokens = event["usage"]["completion_tokens"]
+        out.elapsed = time.monotonic() - t0
+        return out
+
+
+def assert_ended_cleanly(out: Outcome, max_tokens: int, deadline: float) -> None:
+    """Finished in full, or a clear OpenAI-style error: in time, never a hang or a torn body."""
+    assert out.status != 0, out
+    assert out.elapsed < deadline, out
+    if out.ok:
+        assert out.finish == "length" and out.completion_tokens == max_tokens, out
+        return
+    assert out.error is not None, out
+    assert set(out.error) == {"message", "type", "param", "code"}, out
+    if out.status == 200:  # an error mid-stream is an SSE event, then [DONE]
+        assert out.done, out
+    else:
+        assert out.status in (503, 504), out  # "retry later", never a crash

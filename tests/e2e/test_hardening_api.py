@@ -1,0 +1,264 @@
+"""Bad input never crashes a service: every refusal is a 4xx in OpenAI's error shape naming the
+field, a fuzzer driven by /openapi.json finds no 5xx, and the books balance afterwards.
+
+One stack for the module, guarded by an API key, over a NATS server that wants a user and
+password (so the credentials must have reached every service for anything to work).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+
+from services.gateway.openapi import spec
+from tests.e2e.reliability import (
+    SERVICES,
+    assert_books_balance,
+    assert_openai_error,
+    cmdline,
+    service_pids,
+    tiny_stack,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+KEY = "sk-hardening"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+NATS_PASSWORD = "nats-secret-1b9"
+CONTEXT = 96  # short: generation runs to it when max_tokens is not given
+MAX_BYTES = 65536
+EXAMPLES_PER_ROUTE = 25
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dir):
+    with tiny_stack(tiny_model_dir, "--api-key", KEY, "--nats-user", "tokenline",
+                    "--nats-password", NATS_PASSWORD, "--max-request-bytes", str(MAX_BYTES),
+                    "--max-stop-strings", "4", max_model_len=CONTEXT) as s:
+        yield s
+
+
+def post(stack, path: str, body, headers: dict | None = None) -> requests.Response:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return requests.post(stack.url + path, data=data, timeout=60,
+                         headers={"Content-Type": "application/json", **AUTH, **(headers or {})})
+
+
+# -- validation -------------------------------------------------------------------------------
+CHAT = "/v1/chat/completions"
+CMPL = "/v1/completions"
+GEN = "/generate"
+HI = [{"role": "user", "content": "hi"}]
+
+# (route, body, status, param, words the message must contain)
+BAD = {
+    "invalid JSON": (CMPL, b'{"prompt": "hi", ', 400, None, ["JSON"]),
+    "not an object": (CMPL, b'[1, 2]', 400, None, []),
+    "invalid UTF-8": (CMPL, b'{"prompt": "\xff\xfe"}', 400, None, ["UTF-8"]),
+    "missing prompt": (CMPL, {"max_tokens": 2}, 400, "prompt", ["prompt"]),
+    "prompt wrong type": (CMPL, {"prompt": 5}, 400, "prompt", []),
+    "max_tokens wrong type": (CMPL, {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens",
+                              ["int"]),
+    "n a float": (CMPL, {"prompt": "hi", "n": 1.5}, 400, "n", []),
+    "messages not a list": (CHAT, {"messages": "hi"}, 400, "messages", []),
+    "temperature < 0": (CMPL, {"prompt": "hi", "temperature": -0.5}, 400, "temperature", []),
+    "top_p = 0": (CMPL, {"prompt": "hi", "top_p": 0}, 400, "top_p", []),
+    "top_p > 1": (CHAT, {"messages": HI, "top_p": 1.5}, 400, "top_p", []),
+    "top_k < -1": (CMPL, {"prompt": "hi", "top_k": -2}, 400, "top_k", []),
+    "top_k = 0": (CMPL, {"prompt": "hi", "top_k": 0}, 400, "top_k", []),
+    "max_tokens = 0": (CMPL, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", []),
+    "max_completion_tokens = 0": (CHAT, {"messages": HI, "max_completion_tokens": 0}, 400,
+                                  "max_completion_tokens", []),
+    "max_new_tokens = 0": (GEN, {"text": "hi", "sampling_params": {"max_new_tokens": 0}}, 400,
+                           "sampling_params.max_new_tokens", []),
+    "generate temperature < 0": (GEN, {"text": "hi", "sampling_params": {"temperature": -1}},
+                                 400, "sampling_params.temperature", []),
+    "prompt + max_tokens over the context": (
+        CMPL, {"prompt": "hello there", "max_tokens": 300}, 400, "max_tokens",
+        [str(CONTEXT), "300"]),
+    "chat + max_tokens over the context": (
+        CHAT, {"messages": HI, "max_tokens": CONTEXT}, 400, "max_tokens", [str(CONTEXT)]),
+    "prompt alone over the context": (CMPL, {"prompt": [7] * (CONTEXT + 1)}, 400, "prompt",
+                                      [str(CONTEXT)]),
+    "empty messages": (CHAT, {"messages": []}, 400, "messages", ["empty"]),
+    "unknown role": (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+                     "messages[0].role", ["wizard"]),
+    "message not an object": (CHAT, {"messages": ["hi"]}, 400, "messages[0]", []),
+    "message content a number": (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400,
+                                 "messages[0].content", []),
+    "integer beyond 64 bits in a message": (
+        CHAT, {"messages": [{"role": "user", "content": "hi", "x": 2**70}]}, 400, "messages",
+        []),
+    "unknown model": (CMPL, {"model": "gpt-17", "prompt": "hi"}, 404, "model", ["gpt-17"]),
+    "too many stop strings": (CMPL, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400,
+                              "stop", ["5", "4"]),
+    "empty stop string": (CMPL, {"prompt": "hi", "stop": [""]}, 400, "stop", []),
+    "n = 0": (CMPL, {"prompt": "hi", "n": 0}, 400, "n", []),
+    "n too large": (CHAT, {"messages": HI, "n": 17}, 400, "n", []),
+    "generate n too large": (GEN, {"text": "hi", "sampling_params": {"n": 99}}, 400,
+                             "sampling_params.n", []),
+    "logprobs > 20": (CMPL, {"prompt": "hi", "logprobs": 21}, 400, "logprobs", []),
+    "logprobs < 0": (CMPL, {"prompt": "hi", "logprobs": -1}, 400, "logprobs", []),
+    "top_logprobs > 20": (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, 400,
+                          "top_logprobs", []),
+    "top_logprobs_num > 20": (GEN, {"text": "hi", "return_logprob": True,
+                                    "top_logprobs_num": 21}, 400, "top_logprobs_num", []),
+    "token id outside the vocabulary": (CMPL, {"prompt": [1, 10**9]}, 400, "prompt",
+                                        ["vocabulary"]),
+    "negative token id": (GEN, {"input_ids": [1, -3]}, 400, "input_ids[1]", []),
+    "booleans as token ids": (CMPL, {"prompt": [True, False]}, 400, "prompt", []),
+    "priority beyond 64 bits": (CMPL, {"prompt": "hi", "priority": 2**70}, 400, "priority", []),
+    "seed beyond 64 bits": (CHAT, {"messages": HI, "seed": -(2**80)}, 400, "seed", []),
+    "logit_bias out of range": (CMPL, {"prompt": "hi", "logit_bias": {"5": 500}}, 400,
+                                "logit_bias[...]", []),
+    "logit_bias key not a token": (CMPL, {"prompt": "hi", "logit_bias": {"x": 1}}, 400,
+                                   "logit_bias", []),
+    "min_tokens above max_tokens": (CMPL, {"prompt": "hi", "max_tokens": 2, "min_tokens": 5},
+                                    400, "min_tokens", []),
+    "text and input_ids": (GEN, {"text": "hi", "input_ids": [1]}, 400, "text", []),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
+def test_bad_input_gets_4xx_naming_the_field(stack, case):
+    path, body, status, param, words = BAD[case]
+    assert_openai_error(post(stack, path, body), status, param, *words)
+
+
+def test_body_over_max_request_bytes_is_413(stack):
+    big = {"prompt": "x" * (MAX_BYTES + 10), "max_tokens": 1}
+    assert_openai_error(post(stack, CMPL, big), 413, None, str(MAX_BYTES))
+
+    def chunks():  # no Content-Length: the limit still holds while reading
+        yield b'{"prompt": "'
+        for _ in range(MAX_BYTES // 1024 + 2):
+            yield b"y" * 1024
+        yield b'"}'
+
+    resp = requests.post(stack.url + CMPL, data=chunks(), timeout=60,
+                         headers={"Content-Type": "application/json", **AUTH})
+    assert_openai_error(resp, 413, None)
+
+
+def test_unknown_route_and_method_keep_the_error_shape(stack):
+    assert_openai_error(requests.get(stack.url + "/v1/nothing", headers=AUTH, timeout=10), 404)
+    assert_openai_error(requests.get(stack.url + CMPL, headers=AUTH, timeout=10), 405)
+
+
+def test_unknown_fields_are_ignored(stack):
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0, "frobnicate": {"x": [1]},
+            "response_format": {"type": "text"}, "extra_body": None}
+    resp = post(stack, CMPL, body)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 2
+
+
+def test_openai_client_sees_the_field_in_the_error(stack):
+    import openai
+
+    client = openai.OpenAI(base_url=stack.url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=-1)
+    assert info.value.param == "temperature"
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="nope", messages=HI)
+    assert info.value.param == "model" and info.value.code == "model_not_found"
+    ok = client.completions.create(model="tiny", prompt="hi", max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+# -- auth ---------------------------------------------------------------------------------------
+def test_api_key_is_required(stack):
+    url = stack.url + CMPL
+    body = {"prompt": "hi", "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        resp = requests.post(url, json=body, headers=headers, timeout=10)
+        err = assert_openai_error(resp, 401, None)
+        assert err["code"] == "invalid_api_key"
+    assert requests.post(url, json=body, headers=AUTH, timeout=60).status_code == 200
+    # what probes and scrapers need stays open
+    for path in ("/health", "/metrics", "/openapi.json"):
+        assert requests.get(stack.url + path, timeout=10).status_code == 200, path
+    assert requests.get(stack.url + "/v1/models", timeout=10).status_code == 401
+
+
+def test_nats_credentials_reach_every_service_but_no_command_line(stack):
+    import asyncio
+
+    import nats
+    import nats.errors
+
+    nats_url = next(a for a in cmdline(service_pids(stack)["gateway"]) if a.startswith("nats:"))
+
+    async def anonymous() -> None:
+        await nats.connect(nats_url, allow_reconnect=False, max_reconnect_attempts=0,
+                           connect_timeout=2)
+
+    with pytest.raises(nats.errors.Error):  # the server wants the password...
+        asyncio.run(anonymous())
+    pids = service_pids(stack)
+    assert set(pids) == set(SERVICES)
+    for name, pid in pids.items():  # ...every service has it, and `ps` shows it nowhere
+        assert NATS_PASSWORD not in " ".join(cmdline(pid)), name
+        assert KEY not in " ".join(cmdline(pid)), name
+    health = requests.get(stack.url + "/health", timeout=10)
+    assert health.status_code == 200, health.text  # every stage heart-beats over NATS
+
+
+# -- the fuzzer -------------------------------------------------------------------------------
+def test_openapi_describes_every_route(stack):
+    doc = requests.get(stack.url + "/openapi.json", timeout=10).json()
+    assert doc["openapi"].startswith("3.1")
+    paths = doc["paths"]
+    for path in (CHAT, CMPL, GEN, "/v1/models", "/health", "/metrics", "/flush_cache",
+                 "/abort_request", "/get_server_info", "/openapi.json"):
+        assert path in paths, path
+    for path, body in ((CHAT, "ChatCompletionRequest"), (CMPL, "CompletionRequest"),
+                       (GEN, "GenerateRequest")):
+        schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert schema["$ref"].endswith("/" + body)
+        assert "400" in paths[path]["post"]["responses"]
+    props = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    top_p = props["top_p"]["anyOf"][0]
+    assert top_p["exclusiveMinimum"] == 0 and top_p["maximum"] == 1
+    assert doc["security"] == [{"bearer": []}]
+    assert doc == json.loads(json.dumps(spec("tiny", api_key=True)))  # what the fuzzer reads
+
+
+def openai_error_shape(ctx, response, case) -> bool | None:
+    """Every refusal has OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+    if response.status_code < 400:
+        return None
+    body = response.json()
+    assert isinstance(body, dict) and set(body.get("error", {})) == {
+        "message", "type", "param", "code"}, f"not OpenAI's error body: {response.text[:300]}"
+    return True
+
+
+def _fuzz_config() -> schemathesis.Config:
+    config = schemathesis.Config()
+    config.projects.default.generation.update(max_examples=EXAMPLES_PER_ROUTE, database="none")
+    return config
+
+
+# The same document the server serves (test_openapi_describes_every_route compares them); built
+# here because the generated tests must exist before the stack does.
+schema = schemathesis.openapi.from_dict(spec("tiny", api_key=True), config=_fuzz_config())
+
+
+@schema.parametrize()
+@settings(deadline=None, suppress_health_check=list(HealthCheck))
+def test_fuzzed_requests_never_get_5xx(case, stack):
+    response = case.call(base_url=stack.url, headers=AUTH, timeout=60)
+    case.validate_response(response, checks=[not_a_server_error, openai_error_shape])
+
+
+def test_books_balance_after_all_of_the_above(stack):
+    assert_books_balance(stack.url, AUTH)
+    assert set(service_pids(stack)) == set(SERVICES)  # nobody crashed (or was restarted)
+    assert "exited; restarting" not in stack.logs()

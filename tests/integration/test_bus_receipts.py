@@ -1,0 +1,60 @@
+"""The bus over a real NATS server: receipts instead of silent drops, and token auth."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import nats.errors
+import pytest
+
+from common.bus import Bus
+from common.config import ServerArgs
+from common.messages import AbortReq, ReceiptOut
+from services.launcher.nats import NatsServer
+
+
+async def _bus(url: str, name: str, **auth) -> Bus:
+    bus = Bus(ServerArgs(nats_url=url, **auth), name)
+    await bus.connect(attempts=1)
+    return bus
+
+
+def test_nobody_listening_fails_at_once_and_a_listener_signs_the_receipt(nats_server):
+    async def main() -> None:
+        sender = await _bus(nats_server.url, "gateway:g-1")
+        t0 = time.monotonic()
+        with pytest.raises(nats.errors.NoRespondersError):
+            await sender.publish_acked("tl.tokenizer", AbortReq(rid="r"), timeout=5)
+        assert time.monotonic() - t0 < 1.0  # not the timeout: NATS says so at once
+
+        got: list = []
+        receiver = await _bus(nats_server.url, "tokenizer:t-7")
+
+        async def handler(msg, headers) -> None:
+            got.append(msg)
+
+        await receiver.subscribe("tl.tokenizer", handler, queue="tokenizers")
+        receipt = await sender.publish_acked("tl.tokenizer", AbortReq(rid="r"), timeout=5)
+        assert receipt == ReceiptOut(service="tokenizer", instance_id="t-7")
+        await sender.publish("tl.tokenizer", AbortReq(rid="plain"))  # no receipt asked: none
+        await sender.flush()
+        await asyncio.sleep(0.1)
+        assert [m.rid for m in got] == ["r", "plain"]
+        await sender.close()
+        await receiver.close()
+
+    asyncio.run(main())
+
+
+def test_token_protected_nats():
+    with NatsServer(token="s3cret") as server:
+        async def main() -> None:
+            bus = await _bus(server.url, "gateway:g", nats_token="s3cret")
+            assert bus.connected
+            await bus.close()
+            with pytest.raises(nats.errors.Error):
+                await nats.connect(server.url, token="wrong", allow_reconnect=False)
+
+        asyncio.run(main())
