@@ -149,7 +149,6 @@ class DetokenizerService(Service):
         for rid in rids:
             await self.bus.publish(self.subjects.abort, AbortReq(rid=rid, reason=reason))
 
-
     async def _sweep(self) -> None:
         """Drop state of requests nobody has sent tokens for in a long time (a dead scheduler)."""
         import asyncio

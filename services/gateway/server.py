@@ -207,7 +207,12 @@ class GatewayService(Service):
             msg = self.tracker.move(sub, target)
             request_logger(msg.rid, tracing.trace_id(sub.headers)).info(
                 "request moved", scheduler_id=target, resumed_after=len(msg.output_ids))
-            await self.bus.publish(self.subjects.tokenizer, msg, sub.headers)
+            try:
+                sub.tokenizer_id = await self._to_tokenizer(msg, sub.headers)
+            except APIError as exc:
+                self.tracker.deliver(ErrorOut(rid=msg.rid, message=exc.message,
+                                              status=exc.status, err_type=exc.err_type,
+                                              code=exc.code))
 
     # -- tokenizer loss -------------------------------------------------------------------------
     async def _watch_tokenizers(self) -> None:
@@ -580,19 +585,20 @@ class GatewayService(Service):
         sent_role: set[int] = set()
 
         def chunk(sub: SubRequest, out: TextOut):
-            choices = []
-            if sub.index not in sent_role:
+            delta: dict = {}
+            if sub.index not in sent_role:  # the first chunk of each choice names the role
                 sent_role.add(sub.index)
-                choices.append({"index": sub.index, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None})
+                delta = {"role": "assistant", "content": ""}
+            if out.text:
+                delta["content"] = out.text
             reason = _finish_reason(out)
-            if out.text or reason or (want_lp and out.logprobs):
-                choices.append({
-                    "index": sub.index, "delta": {"content": out.text} if out.text else {},
-                    "logprobs": self._chat_logprobs(out.logprobs) if want_lp else None,
-                    "finish_reason": reason,
-                })
-            return base(choices) if choices else None
+            if not delta and not reason and not (want_lp and out.logprobs):
+                return None
+            return base([{
+                "index": sub.index, "delta": delta,
+                "logprobs": self._chat_logprobs(out.logprobs) if want_lp else None,
+                "finish_reason": reason,
+            }])
 
         def tail(subs_: list[SubRequest]):
             if include_usage:

@@ -34,9 +34,9 @@ class SubRequest:
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None
-    itls: list[float] = field(default_factory=list)
     finished_at: float | None = None  # when its final output arrived, not when it was consumed
     headers: dict[str, str] = field(default_factory=dict)  # trace context, kept if it moves
+    itls: list[float] = field(default_factory=list)
     # What the tracker has handed to the handler (it may not have consumed it yet): a request
     # moved to another scheduler resumes after these tokens, and its new detokenizer state
     # replays their text, of which the first `skip_chars` characters are dropped.
