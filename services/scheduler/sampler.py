@@ -105,10 +105,12 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         mass = cum[:, -1:]  # top-p applies to the distribution after top-k, renormalized
         vals = vals.masked_fill(cum - vals >= top_p[:, None] * mass, 0.0)
         short = (mass[:, 0] < top_p) & (ks > width)  # nucleus wider than the candidates
-        picked = idx.gather(1, _draw(vals, u[trunc])[:, None]).squeeze(1)
+        # Draw in vocabulary order, not in sorted order: the order of near-equal candidates
+        # can change with batch size (matmul rounding), the vocabulary's never does.
+        weights = torch.zeros_like(sub).scatter_(1, idx, vals)
         for j in short.nonzero().flatten().tolist():
-            picked[j] = _sample_rows_full(sub[j].softmax(-1), top_p[j].item(), u[trunc][j])
-        tokens[trunc] = picked
+            weights[j] = _nucleus_full(sub[j].softmax(-1), top_p[j].item())
+        tokens[trunc] = _draw(weights, u[trunc])
     return tokens
 
 
@@ -119,11 +121,12 @@ def _min_p(probs: torch.Tensor, min_p: torch.Tensor, best: torch.Tensor | None =
     return probs.masked_fill(probs < best * min_p[:, None], 0.0)
 
 
-def _sample_rows_full(probs: torch.Tensor, top_p: float, u: torch.Tensor) -> int:
+def _nucleus_full(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Top-p over the whole vocabulary (a flat row): the kept probabilities, in vocab order."""
     vals, idx = probs.sort(descending=True)
     cum = vals.cumsum(0)
     vals = vals.masked_fill(cum - vals >= top_p * cum[-1], 0.0)
-    return int(idx[_draw(vals[None, :], u.reshape(1))[0]])
+    return torch.zeros_like(probs).scatter_(0, idx, vals)
 
 
 def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
