@@ -77,7 +77,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
     keyed by (seed, position): O(1) random numbers per row, independent of the batch."""
     dev = logits.device
     temps = torch.tensor([max(r.params.temperature, 1e-5) for r in rows], device=dev)
-    scaled = logits / temps[:, None]
+    scaled = logits.div_(temps[:, None])  # in place: the caller passes a tensor it owns
     u = torch.tensor([uniform(r.seed, r.position) for r in rows], device=dev)
     min_p = torch.tensor([r.params.min_p for r in rows], device=dev)
     tokens = torch.empty(len(rows), dtype=torch.long, device=dev)
@@ -108,8 +108,8 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         # Draw in vocabulary order, not in sorted order: the order of near-equal candidates
         # can change with batch size (matmul rounding), the vocabulary's never does.
         weights = torch.zeros_like(sub).scatter_(1, idx, vals)
-        for j in short.nonzero().flatten().tolist():
-            weights[j] = _nucleus_full(sub[j].softmax(-1), top_p[j].item())
+        if bool(short.any()):
+            weights[short] = _nucleus_full(sub[short].softmax(-1), top_p[short])
         tokens[trunc] = _draw(weights, u[trunc])
     return tokens
 
@@ -121,12 +121,12 @@ def _min_p(probs: torch.Tensor, min_p: torch.Tensor, best: torch.Tensor | None =
     return probs.masked_fill(probs < best * min_p[:, None], 0.0)
 
 
-def _nucleus_full(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Top-p over the whole vocabulary (a flat row): the kept probabilities, in vocab order."""
-    vals, idx = probs.sort(descending=True)
-    cum = vals.cumsum(0)
-    vals = vals.masked_fill(cum - vals >= top_p * cum[-1], 0.0)
-    return torch.zeros_like(probs).scatter_(0, idx, vals)
+def _nucleus_full(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-p over the whole vocabulary (flat rows): the kept probabilities, in vocab order."""
+    vals, idx = probs.sort(dim=-1, descending=True)
+    cum = vals.cumsum(-1)
+    vals = vals.masked_fill(cum - vals >= top_p[:, None] * cum[:, -1:], 0.0)
+    return torch.zeros_like(probs).scatter_(1, idx, vals)
 
 
 def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
