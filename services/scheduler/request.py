@@ -49,6 +49,7 @@ class Request:
     num_reported: int = 0
     reported_first: bool = False
     pending_logprobs: list = field(default_factory=list)
+    initial_outputs: int = 0  # outputs it arrived with (resumed from another scheduler)
 
     def __post_init__(self) -> None:
         # An unseeded request still gets a fixed seed, so retraction never changes its text.

@@ -297,8 +297,12 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.pool.check_integrity()
-        held = sum(len(r.block_table) for r in self.running)
         assert not any(r.block_table for r in self.waiting), "waiting request holds blocks"
-        if not self.running:
-            assert self.pool.num_used == 0, f"{self.pool.num_used} blocks leaked while idle"
-        assert held >= self.pool.num_used or self.pool.enable_prefix_cache
+        # every used block is referenced once per block table holding it (shared prefixes)
+        refs: dict[int, int] = {}
+        for r in self.running:
+            for b in r.block_table:
+                refs[b] = refs.get(b, 0) + 1
+        for b, n in refs.items():
+            assert self.pool.ref_cnt[b] == n, f"block {b}: {self.pool.ref_cnt[b]} refs, {n} holders"
+        assert len(refs) == self.pool.num_used, "a used block that no request holds: a leak"
