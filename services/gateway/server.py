@@ -98,8 +98,8 @@ class GatewayService(Service):
     async def setup(self) -> None:
         await self.bus.subscribe(self.subjects.gateway(self.instance_id), self.on_output)
         await self.bus.subscribe(self.subjects.stats_all(), self.on_stats)
-        self.spawn(self._watch_schedulers())
-        self.spawn(self._watch_tokenizers())
+        self.spawn(self._watch("scheduler", self._scheduler_gone))
+        self.spawn(self._watch("tokenizer", self._tokenizer_gone))
         self.bus.on_connection_change.append(self._on_nats_connection)
         app = self.make_app()
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -140,8 +140,9 @@ class GatewayService(Service):
                 if k[0] == service and self.peer_seen[k] >= cutoff]
 
     # -- scheduler failover ---------------------------------------------------------------------
-    async def _watch_schedulers(self) -> None:
-        """Call `_on_scheduler_lost` once for each scheduler whose heartbeats stopped."""
+    async def _watch(self, service: str, on_lost) -> None:
+        """Call `on_lost(id)` once for each instance of `service` whose heartbeats stopped;
+        `on_lost` returns False when the instance turned out to be alive after all."""
         tick = min(0.25, self.args.heartbeat_timeout / 4)
         lost: set[str] = set()
         last = time.monotonic()
@@ -149,19 +150,24 @@ class GatewayService(Service):
             await asyncio.sleep(tick)
             now = time.monotonic()
             stalled, last = now - last > tick + self.args.heartbeat_timeout / 2, now
-            if stalled:  # this loop was busy: heartbeats may be waiting unread, not missing
+            if stalled or not self.bus.connected:  # heartbeats may be late, not missing
                 continue
-            known = {i for (service, i) in self.peers if service == "scheduler"}
-            dead = known - {s.instance_id for s in self.alive("scheduler")}
-            for scheduler_id in sorted(dead - lost):
-                if await self._answers(scheduler_id):
-                    continue  # heartbeats late, yet it is there: a busy machine, not a death
-                lost.add(scheduler_id)
+            known = {i for (svc, i) in self.peers if svc == service}
+            dead = known - {s.instance_id for s in self.alive(service)}
+            for instance_id in sorted(dead - lost):
                 try:
-                    await self._on_scheduler_lost(scheduler_id)
+                    if await on_lost(instance_id):
+                        lost.add(instance_id)
                 except Exception:  # noqa: BLE001 - the watcher must outlive one bad failover
-                    log.exception("failover failed", scheduler_id=scheduler_id)
+                    log.exception("handling a lost service failed", service=service,
+                                  instance_id=instance_id)
             lost &= dead  # one that comes back and dies again is handled again
+
+    async def _scheduler_gone(self, scheduler_id: str) -> bool:
+        if await self._answers(scheduler_id):
+            return False  # heartbeats late, yet it is there: a busy machine, not a death
+        await self._on_scheduler_lost(scheduler_id)
+        return True
 
     async def _answers(self, scheduler_id: str) -> bool:
         """Whether a scheduler whose heartbeats are late still takes messages on its subject.
@@ -215,22 +221,9 @@ class GatewayService(Service):
                                               code=exc.code))
 
     # -- tokenizer loss -------------------------------------------------------------------------
-    async def _watch_tokenizers(self) -> None:
-        """Call `_on_tokenizer_lost` once for each tokenizer whose heartbeats stopped."""
-        tick = min(0.25, self.args.heartbeat_timeout / 4)
-        lost: set[str] = set()
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(tick)
-            now = time.monotonic()
-            stalled, last = now - last > tick + self.args.heartbeat_timeout / 2, now
-            if stalled or not self.bus.connected:  # heartbeats may be late, not missing
-                continue
-            known = {i for (service, i) in self.peers if service == "tokenizer"}
-            dead = known - {s.instance_id for s in self.alive("tokenizer")}
-            for tokenizer_id in sorted(dead - lost):
-                self._on_tokenizer_lost(tokenizer_id)
-            lost = dead
+    async def _tokenizer_gone(self, tokenizer_id: str) -> bool:
+        self._on_tokenizer_lost(tokenizer_id)
+        return True
 
     def _on_tokenizer_lost(self, tokenizer_id: str) -> None:
         """Fail at once the requests a dead tokenizer took but no scheduler accepted yet."""

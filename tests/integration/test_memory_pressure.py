@@ -55,7 +55,7 @@ def _running_scheduler(policy: str) -> tuple[Scheduler, list[Request]]:
                                       conservativeness=0.0,
                                       chunked_prefill_size=64), pool)
     reqs = []
-    for i, (prio, generated) in enumerate([(2, 1), (0, 3), (1, 2)]):
+    for prio in (2, 0, 1):
         r = Request(rid=f"p{prio}", prompt_ids=[1] * 7, priority=prio,
                     params=SamplingParams(max_new_tokens=50))
         sched.add(r)

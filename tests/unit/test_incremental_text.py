@@ -25,7 +25,7 @@ def _stream(tok, text, stops, include=False):
     inc = IncrementalText(tok, stops, True, include)
     pieces = []
     matched = None
-    for i, t in enumerate(ids):
+    for _i, t in enumerate(ids):
         inc.push([t])
         # the scheduler's decision: the first stop string present in the text so far
         matched = next((s for s in stops if s in inc.text), None)
