@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -33,10 +34,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+# libgomp reads this once, when torch loads it. Spinning waiters (its default) make every
+# parallel region wait for a descheduled thread whenever another process wants a core: on a
+# shared 2-core machine that made each system here 10-50x slower. Sleeping waiters cost little
+# on an idle machine. It reaches `tokenline serve` under --with-stack through the environment.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from bench.datasets import SampleRequest, load_jsonl
-from bench.roofline import ModelShape, decode_step_bound, measure_machine
+import torch  # noqa: E402
+
+from bench.datasets import SampleRequest, load_jsonl  # noqa: E402
+from bench.roofline import ModelShape, decode_step_bound, measure_machine  # noqa: E402
 
 DEFAULT_WORKLOAD = Path(__file__).parent / "workloads" / "mixed64.jsonl"
 BATCHING_MODES = ("continuous", "static", "dynamic")
@@ -251,6 +258,64 @@ def run_hf_continuous(model, requests: list[Request], max_batch_tokens: int,
     return result, tokens
 
 
+# -- the whole stack ---------------------------------------------------------------------------
+def run_stack(model: str | None, requests: list[Request], engine_flags: dict[str, Any],
+              timeout_s: float = 600.0) -> Result:
+    """`tokenline serve` in a subprocess, loaded by bench.serve at an unbounded request rate."""
+    import asyncio
+    import signal
+    import socket
+    import subprocess
+    import urllib.request
+
+    from bench.datasets import SampleRequest
+    from bench.serve import run_benchmark
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    flags = ["--port", str(port)] + (["--model", model] if model else [])
+    for name, value in engine_flags.items():
+        flags += [f"--{name.replace('_', '-')}", str(value)]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "tokenline.cli", "serve", *flags],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode(errors="replace")[-2000:] if proc.stderr else ""
+                raise RuntimeError(f"tokenline serve exited with {proc.returncode}: {err}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tokenline serve not healthy after {timeout_s:.0f} s")
+            time.sleep(0.5)
+        samples = [SampleRequest(r.prompt_ids, len(r.prompt_ids), r.max_tokens)
+                   for r in requests]
+        asyncio.run(run_benchmark(url, samples[:1], ignore_eos=True))  # warm-up
+        out = asyncio.run(run_benchmark(url, samples, ignore_eos=True, temperature=0.0))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    if out["completed"] != len(requests) or out.get("first_error"):
+        raise RuntimeError(f"bench serve: {out['completed']}/{len(requests)} completed, "
+                           f"first error {out.get('first_error')}")
+    produced = sum(out["output_lens"])
+    return Result("tokenline serve (whole stack)", out["duration"], produced, len(requests),
+                  {"mean_ttft_ms": out.get("mean_ttft_ms")})
+
+
 # -- the roofline ------------------------------------------------------------------------------
 def roofline(timing: DecodeTiming, config: dict, quick: bool) -> dict[str, Any] | None:
     if not timing.seconds:
@@ -288,6 +353,12 @@ def format_report(results: list[Result], roof: dict[str, Any] | None, header: st
                      f"{r.requests_per_s:>7.3f} {ratio:>17}")
     if best:
         lines.append(f"best baseline: {best.system} ({best.tokens_per_s:.1f} tok/s)")
+    by_name = {r.system: r for r in results}
+    stack, offline = by_name.get("tokenline serve (whole stack)"), by_name.get(
+        "tokenline continuous")
+    if stack and offline:
+        lines.append(f"whole stack: {100 * stack.tokens_per_s / offline.tokens_per_s:.0f}% of the "
+                     "offline continuous engine's throughput")
     if roof:
         lines.append(
             f"decode step at batch {roof['batch']} ({roof['steps']} steps, mean context "
@@ -318,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-max-batch-tokens", type=int, default=2048,
                    help="transformers continuous: tokens per step (ours: --max-prefill-tokens)")
     p.add_argument("--threads", type=int, help="torch threads for every system")
+    p.add_argument("--with-stack", action="store_true",
+                   help="also `tokenline serve` under `bench serve` at an unbounded rate, right "
+                   "after the offline continuous run")
     e = p.add_argument_group("engine flags (tokenline)")
     for flag in ("max-total-tokens", "max-running-requests", "chunked-prefill-size",
                  "max-prefill-tokens", "page-size"):
@@ -364,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     header = (f"workload {Path(args.workload).name}{' (quick)' if args.quick else ''}: "
               f"{len(requests)} requests, {prompt_tokens} prompt + {output_tokens} output tokens "
               f"(greedy, EOS ignored); model {path.name}, float32, "
-              f"{torch.get_num_threads()} torch threads")
+              f"{torch.get_num_threads()} torch threads, "
+              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
     print(header, flush=True)
 
     results: list[Result] = []
@@ -376,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
         ours[mode] = tokens
         if mode == "continuous" or timing is None:  # the continuous run's steps if there is one
             timing = t
+        print(f"  {result.system}: {result.seconds:.1f} s, {result.tokens_per_s:.1f} tok/s",
+              flush=True)
+    if args.with_stack:
+        stack_flags = {**engine_flags, **({"num_threads": args.threads} if args.threads else {})}
+        result = run_stack(args.model, requests, stack_flags)
+        results.append(result)
         print(f"  {result.system}: {result.seconds:.1f} s, {result.tokens_per_s:.1f} tok/s",
               flush=True)
     agreement: dict[str, Any] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 
 from common.logging import get_logger
 from services.scheduler.attention.base import AttentionMetadata, get_backend
+from services.scheduler.attention.torch_backend import TorchBackend, cpu_kernels
 from services.scheduler.models.llama import LlamaForCausalLM
 from services.scheduler.request import Request
 
@@ -17,6 +19,11 @@ log = get_logger("model_runner")
 
 GiB = 1 << 30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _onednn_enabled() -> bool:
+    """oneDNN for the float32 projections on CPU; TOKENLINE_ONEDNN=0 falls back to F.linear."""
+    return torch.backends.mkldnn.is_available() and os.environ.get("TOKENLINE_ONEDNN", "1") != "0"
 
 
 def pick_device(name: str) -> torch.device:
@@ -63,13 +70,20 @@ class ModelRunner:
         model.load_weights(model_path)
         self.model = model.to(self.dtype).eval()
         self.model.rotary.float()  # positions stay exact in float32
+        self.linear_backend = "torch"
+        if self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_enabled():
+            self.model.pack_for_cpu()
+            self.linear_backend = "onednn"
         c = self.config
         self.num_layers = c["num_hidden_layers"]
         self.num_kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
         self.head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         self.vocab_size = c["vocab_size"]
+        self.attention_kernel = self._pick_attention_kernel(c["num_attention_heads"])
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        # the oneDNN copies of the projections and the lm_head live next to the weights
+        self.packed_bytes = self.model.packed_bytes()
         self.num_blocks = self._size_pool(max_total_tokens, mem_fraction_static, cpu_memory_gib)
         slots = self.num_blocks * page_size
         shape = (slots, self.num_kv_heads, self.head_dim)
@@ -83,7 +97,19 @@ class ModelRunner:
         )
         log.info(f"KV cache: {slots} tokens in {self.num_blocks} blocks of {page_size} tokens, "
                  f"{self.kv_bytes / GiB:.2f} GiB", device=str(self.device), dtype=str(self.dtype),
-                 backend=self.backend.name)
+                 backend=self.backend.name, linear=self.linear_backend,
+                 decode_attention=self.attention_kernel)
+
+    def _pick_attention_kernel(self, num_heads: int) -> str:
+        """On CPU in float32, decodes go through the C++ kernel when it builds for this shape."""
+        if not isinstance(self.backend, TorchBackend) or self.device.type != "cpu" or (
+            self.dtype != torch.float32
+        ):
+            return self.backend.name
+        kernels = cpu_kernels()
+        group = num_heads // self.num_kv_heads
+        self.backend.use_native = kernels is not None and kernels.supports(self.head_dim, group)
+        return "native" if self.backend.use_native else "sdpa"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -98,7 +124,7 @@ class ModelRunner:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = total * fraction - (total - free)
         else:
-            budget = cpu_gib * GiB * fraction - self.weight_bytes
+            budget = cpu_gib * GiB * fraction - self.weight_bytes - self.packed_bytes
         # Activations of the largest step: a few hidden-size and vocab-size buffers per token.
         activation = 4096 * (self.config["hidden_size"] * 16 + self.vocab_size) * 4
         tokens = int((budget - activation) // self.kv_bytes_per_token)
@@ -128,6 +154,8 @@ class ModelRunner:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "attention_backend": self.backend.name,
+            "linear_backend": self.linear_backend,
+            "decode_attention": self.attention_kernel,
         }
 
     @torch.inference_mode()

@@ -1,7 +1,8 @@
 """Our Llama-family forward over a flat packed batch (no padding), reading a paged KV cache.
 
 RMSNorm, rotary embeddings (default and llama3 scaling), grouped-query attention through an
-attention backend, SwiGLU MLP. QKV and gate/up projections are fused into one matmul each.
+attention backend, SwiGLU MLP. QKV and gate/up projections are fused into one matmul each. On
+CPU the projections and the lm_head run through oneDNN from packed copies of their weights.
 """
 
 from __future__ import annotations
@@ -16,6 +17,34 @@ from torch import nn
 from services.scheduler.attention.base import AttentionBackend, AttentionMetadata
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] weight reordered for oneDNN's inner-product kernel (CPU only).
+
+    Why: torch runs a float32 F.linear through MKL, which on AMD CPUs takes a path about 2.5x
+    slower than oneDNN's AVX-512 kernels (measured on an EPYC: 110 against 265 GFLOP/s per
+    core). The result is float32 all the same, only summed in another order.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, once `pack()`ed, runs from a oneDNN copy of its weight (CPU)."""
+
+    packed: torch.Tensor | None = None
+
+    def pack(self) -> None:
+        self.packed = onednn_pack(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return onednn_linear(x, self.packed, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -82,8 +111,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         bias = config.get("attention_bias", False)
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=bias)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=bias)
         self.scale = self.head_dim**-0.5
         self.rotary = rotary
         self.backend = backend
@@ -106,8 +135,8 @@ class MLP(nn.Module):
         super().__init__()
         hidden, inter = config["hidden_size"], config["intermediate_size"]
         bias = config.get("mlp_bias", False)
-        self.gate_up_proj = nn.Linear(hidden, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -146,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(hidden, config["vocab_size"], bias=False)
         self.rotary = rotary
+        self.lm_packed: torch.Tensor | None = None
 
     @property
     def lm_weight(self) -> torch.Tensor:
@@ -165,7 +195,29 @@ class LlamaForCausalLM(nn.Module):
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, meta, k_cache, v_cache)
         x = self.norm(x[logits_indices])
-        return F.linear(x, self.lm_weight).float()
+        return self.logits(x).float()
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lm_packed is not None:
+            return onednn_linear(x, self.lm_packed, None)
+        return F.linear(x, self.lm_weight)
+
+    def packed_bytes(self) -> int:
+        """Memory held by the oneDNN copies (0 until `pack_for_cpu`)."""
+        packed = [m.weight for m in self.modules()
+                  if isinstance(m, Linear) and m.packed is not None]
+        if self.lm_packed is not None:
+            packed.append(self.lm_weight)
+        return sum(w.numel() * w.element_size() for w in packed)
+
+    def pack_for_cpu(self) -> None:
+        """Run every projection and the lm_head through oneDNN (after the weights are final).
+
+        The packed copies come on top of the weights (the embedding still serves lookups)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        self.lm_packed = onednn_pack(self.lm_weight)
 
     def load_weights(self, path: Path) -> None:
         """Read HF-named safetensors, fusing q/k/v and gate/up as we go."""

@@ -1,0 +1,69 @@
+"""The C++ CPU decode kernel gives what the plain-torch path gives, read from the same cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.scheduler.attention.base import AttentionMetadata
+from services.scheduler.attention.torch_backend import TorchBackend, cpu_kernels
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = cpu_kernels()
+    if k is None:
+        pytest.skip("no C++ toolchain here: the torch path is all there is")
+    return k
+
+
+def random_step(spans: list[tuple[int, int]], page: int, hq: int, hkv: int, d: int, seed: int):
+    """Request b has spans[b] = (cached tokens, new tokens), its blocks anywhere in a shuffled
+    pool, -1 past the end of its table, and random values in every slot of the cache."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(c + n) // page) for c, n in spans]
+    pool = torch.randperm(sum(need) + 3, generator=gen).tolist()
+    tables = torch.full((len(spans), max(need) + 2), -1, dtype=torch.int32)
+    slots = []
+    for b, (c, n) in enumerate(spans):
+        tables[b, : need[b]] = torch.tensor([pool.pop() for _ in range(need[b])])
+        slots += [int(tables[b, p // page]) * page + p % page for p in range(c, c + n)]
+    qlens = [n for _, n in spans]
+    tokens = sum(qlens)
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, *qlens]).cumsum(0).int(),
+        seq_lens=torch.tensor([c + n for c, n in spans], dtype=torch.int32),
+        block_tables=tables,
+        slot_mapping=torch.tensor(slots),
+        query_lens_cpu=qlens,
+        seq_lens_cpu=[c + n for c, n in spans],
+        page_size=page,
+    )
+    slots_total = (sum(need) + 3) * page
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    return (rand(tokens, hq, d), rand(tokens, hkv, d), rand(tokens, hkv, d),
+            rand(slots_total, hkv, d), rand(slots_total, hkv, d), meta)
+
+
+@pytest.mark.parametrize("page,hq,hkv,d", [(16, 9, 3, 64), (16, 8, 8, 64), (32, 8, 1, 128),
+                                           (4, 6, 2, 80)])
+@pytest.mark.parametrize("mixed", [False, True])
+def test_native_decode_matches_the_torch_path(kernels, page, hq, hkv, d, mixed):
+    gen = torch.Generator().manual_seed(page * hq + d)
+    cached = torch.randint(0, 700, (12,), generator=gen).tolist()
+    spans = [(c, 5 if mixed and i % 4 == 0 else 1) for i, c in enumerate(cached)]
+    q, k, v, k_cache, v_cache, meta = random_step(spans, page, hq, hkv, d, seed=d)
+    scale = d**-0.5
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    want = TorchBackend().forward(q, k, v, ref_k, ref_v, meta, scale)
+    got = TorchBackend(use_native=True).forward(q, k, v, k_cache, v_cache, meta, scale)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_kernel_says_which_shapes_it_has(kernels):
+    assert kernels.supports(64, 3) and kernels.supports(128, 8)
+    assert not kernels.supports(72, 3) and not kernels.supports(64, 9)
