@@ -20,8 +20,11 @@ from services.scheduler.engine import EngineCore
 MIXES = {
     "greedy": dict(temperature=0.0),
     "sampled": dict(temperature=0.9, top_p=0.9, top_k=50),
-    "penalties+logprobs": dict(temperature=0.9, top_p=0.9, presence_penalty=0.5,
-                               frequency_penalty=0.3, repetition_penalty=1.1, logprobs=5),
+    "penalties+logprobs": dict(temperature=0.9, presence_penalty=0.5, frequency_penalty=0.3,
+                               repetition_penalty=1.1, logprobs=5),
+    # a nucleus wider than 1,024 candidates (flat rows) costs a full-vocabulary sort
+    "penalties+top-p (flat)": dict(temperature=0.9, top_p=0.9, presence_penalty=0.5,
+                                   frequency_penalty=0.3, repetition_penalty=1.1, logprobs=5),
 }
 
 

@@ -36,17 +36,24 @@ def needs_counts(p: SamplingParams) -> bool:
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
-    """In place. Repetition as in CTRL/HF (over prompt and output); presence and frequency
-    as OpenAI defines them (over output only)."""
-    for i, row in enumerate(rows):
-        p = row.params
-        if p.repetition_penalty != 1.0 and row.seen_mask is not None:
-            x = logits[i]
-            penalized = torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
-            logits[i] = torch.where(row.seen_mask, penalized, x)
-        if row.output_counts is not None and (p.presence_penalty or p.frequency_penalty):
-            counts = row.output_counts
-            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+    """In place, batched over the rows that have penalties. Repetition as in CTRL/HF (over
+    prompt and output); presence and frequency as OpenAI defines them (over output only)."""
+    dev = logits.device
+    rep = [i for i, r in enumerate(rows)
+           if r.params.repetition_penalty != 1.0 and r.seen_mask is not None]
+    if rep:
+        x = logits[rep]
+        seen = torch.stack([rows[i].seen_mask for i in rep])
+        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=dev)
+        penalized = torch.where(x > 0, x / penalty[:, None], x * penalty[:, None])
+        logits[rep] = torch.where(seen, penalized, x)
+    pf = [i for i, r in enumerate(rows) if r.output_counts is not None
+          and (r.params.presence_penalty or r.params.frequency_penalty)]
+    if pf:
+        counts = torch.stack([rows[i].output_counts for i in pf])
+        freq = torch.tensor([rows[i].params.frequency_penalty for i in pf], device=dev)
+        pres = torch.tensor([rows[i].params.presence_penalty for i in pf], device=dev)
+        logits[pf] -= freq[:, None] * counts + pres[:, None] * (counts > 0).float()
 
 
 def apply_bias_and_bans(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -160,16 +167,15 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     token_list = tokens.tolist()
     if raw_logprobs is None:
         return token_list, None
-    out: list[LogprobOut | None] = []
-    for i, row in enumerate(rows):
-        k = row.params.logprobs
-        if k is None:
-            out.append(None)
-            continue
-        lp = raw_logprobs[i]
-        top: list[tuple[int, float]] = []
-        if k > 0:
-            vals, ids = lp.topk(k)
-            top = list(zip(ids.tolist(), vals.tolist(), strict=True))
-        out.append(LogprobOut(token_list[i], float(lp[token_list[i]]), top))
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    chosen = raw_logprobs[want, tokens[want]].tolist()
+    k = max(rows[i].params.logprobs for i in want)
+    top_vals, top_ids = raw_logprobs[want].topk(k, dim=-1) if k else (None, None)
+    top_vals = top_vals.tolist() if k else None
+    top_ids = top_ids.tolist() if k else None
+    out: list[LogprobOut | None] = [None] * len(rows)
+    for j, i in enumerate(want):
+        n = rows[i].params.logprobs
+        top = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True)) if n else []
+        out[i] = LogprobOut(token_list[i], chosen[j], top)
     return token_list, out
