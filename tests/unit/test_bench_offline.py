@@ -30,6 +30,8 @@ def test_quick_run_reports_every_system_with_ratios_and_the_roofline(tiny_model_
     roof = report["roofline"]
     assert roof["batch"] == QUICK_REQUESTS and roof["steps"] >= 1
     assert roof["bound_ms"] > 0 and 0 < roof["fraction_of_bound"]
+    if report["machine"]["onednn_flops_per_s"]:  # the stricter bound, at oneDNN's peak
+        assert 0 < roof["strict_bound_ms"] <= roof["bound_ms"]
     printed = capsys.readouterr().out
     assert "vs best baseline" in printed and "of the roofline" in printed
 
