@@ -128,6 +128,7 @@ class Bus:
 
         await self.nc.subscribe(subject, queue=queue, cb=on_msg, pending_msgs_limit=-1,
                                 pending_bytes_limit=-1)
+        await self.nc.flush()  # the server knows the subscription before anyone relies on it
 
     async def subscribe_requests(
         self, subject: str, handler: Callable[[messages.Message], Awaitable[messages.Message]]

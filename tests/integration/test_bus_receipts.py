@@ -36,7 +36,13 @@ def test_nobody_listening_fails_at_once_and_a_listener_signs_the_receipt(nats_se
             got.append(msg)
 
         await receiver.subscribe("tl.tokenizer", handler, queue="tokenizers")
-        receipt = await sender.publish_acked("tl.tokenizer", AbortReq(rid="r"), timeout=5)
+        for _ in range(20):  # interest reaches the server asynchronously: allow it a moment
+            try:
+                receipt = await sender.publish_acked("tl.tokenizer", AbortReq(rid="r"),
+                                                     timeout=5)
+                break
+            except nats.errors.NoRespondersError:
+                await asyncio.sleep(0.05)
         assert receipt == ReceiptOut(service="tokenizer", instance_id="t-7")
         await sender.publish("tl.tokenizer", AbortReq(rid="plain"))  # no receipt asked: none
         await sender.flush()
