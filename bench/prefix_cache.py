@@ -15,14 +15,14 @@ from pathlib import Path
 
 from bench.datasets import load_jsonl
 from bench.serve import run_benchmark
-from tests.helpers import Stack
+from bench.servers import TokenlineServer
 
 WORKLOAD = Path(__file__).parent / "workloads" / "shared_prefix32.jsonl"
 
 
 def measure(flags: list[str], concurrency: int) -> dict:
     requests = load_jsonl(WORKLOAD)
-    with Stack(*flags) as stack:
+    with TokenlineServer(*flags) as stack:
         t0 = time.perf_counter()
         result = asyncio.run(run_benchmark(stack.url, requests, max_concurrency=concurrency,
                                            ignore_eos=True, percentiles=(50, 99)))

@@ -20,39 +20,14 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bench.datasets import load_jsonl
 from bench.serve import run_benchmark
+from bench.servers import TokenlineServer, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{url} not up after {timeout}s")
 
 
 def _stop(proc: subprocess.Popen, sig: int = signal.SIGTERM) -> None:
@@ -70,7 +45,7 @@ class Receiver:
     time from the load generator."""
 
     def __init__(self) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1/traces"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.otlp_receiver", "--port", str(self.port)],
@@ -99,28 +74,19 @@ def _cpu_seconds(session: int) -> float:
 
 def run_stack(flags: list[str], env: dict[str, str], requests, concurrency: int,
               warmup: int) -> dict[str, Any]:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile(prefix="tokenline-overhead-", suffix=".log", delete=False)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tokenline.cli", "serve", "--port", str(port), *flags],
-        cwd=REPO, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True)
-    try:
-        _wait_http(url + "/health", proc, timeout=300)
+    with TokenlineServer(*flags, env=env) as server:
+        url = server.url
         if warmup:  # first forwards pay for allocation and kernel selection
             asyncio.run(run_benchmark(url, requests[:warmup], max_concurrency=concurrency,
                                       ignore_eos=True))
-        cpu = _cpu_seconds(proc.pid)
+        cpu = _cpu_seconds(server.proc.pid)
         result = asyncio.run(run_benchmark(url, requests, max_concurrency=concurrency,
                                            ignore_eos=True))
         # CPU the services spent per output token: what tracing adds, however busy the
         # machine is with other work (which moves throughput far more)
-        result["cpu_ms_per_token"] = 1000 * (_cpu_seconds(proc.pid) - cpu) / max(
+        result["cpu_ms_per_token"] = 1000 * (_cpu_seconds(server.proc.pid) - cpu) / max(
             1, result["total_output_tokens"])
         return result
-    finally:
-        _stop(proc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
+
+from bench.servers import TokenlineServer, free_port, wait_healthy  # noqa: F401 (re-exported)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,68 +56,11 @@ def run_engine(engine, reqs, max_steps: int = 100000):
     return tokens, finish, steps
 
 
-def free_port() -> int:
-    from services.launcher.nats import free_port as fp
-
-    return fp()
-
-
-class Stack:
+class Stack(TokenlineServer):
     """`tokenline serve` in a subprocess, with its own embedded NATS server."""
 
     def __init__(self, *flags: str, env: dict | None = None, timeout: float = 120) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.flags = list(flags)
-        self.env = {**os.environ, **(env or {})}
-        self.timeout = timeout
-        self.proc: subprocess.Popen | None = None
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"tokenline-stack-{self.port}.log"
-
-    def start(self) -> Stack:
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenline.cli", "serve", "--port", str(self.port),
-             *self.flags],
-            cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        wait_healthy(self.url, self.timeout, self.proc, self.log_path)
-        return self
-
-    def logs(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait()
-
-    def __enter__(self) -> Stack:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-
-def wait_healthy(url: str, timeout: float, proc=None, log_path=None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            tail = Path(log_path).read_text(errors="replace")[-3000:] if log_path else ""
-            raise RuntimeError(f"stack exited with {proc.returncode}:\n{tail}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                if r.status == 200:
-                    return
-        except Exception:  # noqa: BLE001
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
+        super().__init__(*flags, env=env, timeout=timeout)
 
 
 def metric(text: str, name: str, **labels) -> float:

@@ -14,6 +14,7 @@ BENCH = {
     "serve": "bench.serve",
     "offline": "bench.offline",
     "roofline": "bench.roofline",
+    "peers": "bench.peers",
 }
 
 USAGE = """usage: tokenline COMMAND [ARGS]
@@ -23,6 +24,7 @@ commands:
   bench serve      load-test any OpenAI-compatible server
   bench offline    our engine against transformers baselines, in one run
   bench roofline   this machine's FLOP/s and bandwidth, and the decode-step bound
+  bench peers      our whole stack against llama.cpp's llama-server, in one run
   simulate         step simulator of static, dynamic and continuous batching
   plan             memory planner: weights, KV pool, concurrency
 """
@@ -36,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
         if not rest or rest[0] not in BENCH:
-            print("usage: tokenline bench {serve,offline,roofline} ...", file=sys.stderr)
+            print("usage: tokenline bench {serve,offline,roofline,peers} ...", file=sys.stderr)
             return 2
         module, rest = BENCH[rest[0]], rest[1:]
     elif cmd in COMMANDS:

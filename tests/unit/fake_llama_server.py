@@ -1,0 +1,63 @@
+"""A stand-in for llama.cpp's `llama-server`, for testing `tokenline bench peers` without it.
+
+It takes llama-server's flags, serves /health (503 for a moment, as while a model loads),
+/v1/models and streamed /v1/completions, and generates `max_tokens` tokens, except that a prompt
+whose first token id is odd gets one token fewer: the peer benchmark must see those as short.
+It sends no usage block, so the client counts content chunks, one per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+from aiohttp import web
+
+LOAD_S = 0.3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("-m", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("-c", type=int)
+    p.add_argument("-np", type=int, default=1)
+    p.add_argument("-t", type=int)
+    args = p.parse_args()
+    started = time.monotonic()
+    slots = asyncio.Semaphore(args.np)
+
+    async def health(request: web.Request) -> web.Response:
+        if time.monotonic() - started < LOAD_S:
+            return web.json_response({"error": {"message": "Loading model"}}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": args.m}]})
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        prompt = body["prompt"]
+        n = body["max_tokens"] - (1 if isinstance(prompt, list) and prompt[0] % 2 else 0)
+        async with slots:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(n):
+                await asyncio.sleep(0.001)
+                chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            return resp
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    web.run_app(app, host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()
