@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--slots and --rounds must be at least 1")
     from common.modelstore import default_model_path
 
-    gguf = Path(args.model) if args.model else default_model_path()
+    gguf = Path(args.model or default_model_path())
     if gguf.suffix != ".gguf" or not gguf.exists():
         parser.error(f"--model: {gguf} is not a GGUF file (llama-server needs one)")
     try:
