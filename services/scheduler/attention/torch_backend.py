@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,6 +225,11 @@ def _build():
         return None
     from torch.utils import cpp_extension
 
+    # pip's ninja (a dependency) sits next to the interpreter, which need not be on PATH
+    here = Path(sys.executable).parent
+    path = os.environ.get("PATH", "")
+    if (here / "ninja").exists() and str(here) not in path.split(os.pathsep):
+        os.environ["PATH"] = f"{here}{os.pathsep}{path}"
     if shutil.which(os.environ.get("CXX", "c++")) is None or not (
         cpp_extension.is_ninja_available()
     ):
