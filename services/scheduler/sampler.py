@@ -37,23 +37,29 @@ def needs_counts(p: SamplingParams) -> bool:
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> None:
     """In place, batched over the rows that have penalties. Repetition as in CTRL/HF (over
-    prompt and output); presence and frequency as OpenAI defines them (over output only)."""
+    prompt and output); presence and frequency as OpenAI defines them (over output only).
+
+    Only the tokens a request has seen are touched: the (row, token) pairs come from the rows'
+    masks and counts, so the cost is a scan of them plus work on a few hundred logits per row,
+    not several full passes and [rows, vocab] temporaries."""
     dev = logits.device
     rep = [i for i, r in enumerate(rows)
            if r.params.repetition_penalty != 1.0 and r.seen_mask is not None]
     if rep:
-        x = logits[rep]
-        seen = torch.stack([rows[i].seen_mask for i in rep])
-        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=dev)
-        penalized = torch.where(x > 0, x / penalty[:, None], x * penalty[:, None])
-        logits[rep] = torch.where(seen, penalized, x)
+        k, tok = torch.stack([rows[i].seen_mask for i in rep]).nonzero(as_tuple=True)
+        row = torch.tensor(rep, device=dev)[k]
+        penalty = torch.tensor([rows[i].params.repetition_penalty for i in rep], device=dev)[k]
+        x = logits[row, tok]
+        logits[row, tok] = torch.where(x > 0, x / penalty, x * penalty)
     pf = [i for i, r in enumerate(rows) if r.output_counts is not None
           and (r.params.presence_penalty or r.params.frequency_penalty)]
     if pf:
         counts = torch.stack([rows[i].output_counts for i in pf])
-        freq = torch.tensor([rows[i].params.frequency_penalty for i in pf], device=dev)
-        pres = torch.tensor([rows[i].params.presence_penalty for i in pf], device=dev)
-        logits[pf] -= freq[:, None] * counts + pres[:, None] * (counts > 0).float()
+        k, tok = counts.nonzero(as_tuple=True)
+        row = torch.tensor(pf, device=dev)[k]
+        freq = torch.tensor([rows[i].params.frequency_penalty for i in pf], device=dev)[k]
+        pres = torch.tensor([rows[i].params.presence_penalty for i in pf], device=dev)[k]
+        logits[row, tok] -= freq * counts[k, tok] + pres
 
 
 def apply_bias_and_bans(logits: torch.Tensor, rows: list[SampleRow]) -> None:
@@ -111,13 +117,19 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         top_p = torch.tensor([rows[i].params.top_p for i in trunc], device=dev)
         mass = cum[:, -1:]  # top-p applies to the distribution after top-k, renormalized
         vals = vals.masked_fill(cum - vals >= top_p[:, None] * mass, 0.0)
-        short = (mass[:, 0] < top_p) & (ks > width)  # nucleus wider than the candidates
         # Draw in vocabulary order, not in sorted order: the order of near-equal candidates
-        # can change with batch size (matmul rounding), the vocabulary's never does.
-        weights = torch.zeros_like(sub).scatter_(1, idx, vals)
+        # can change with batch size (matmul rounding), the vocabulary's never does. Zeros
+        # add nothing to a running sum, so the candidates alone, put in vocabulary order, give
+        # the same cumulative weights as the whole row would.
+        order = idx.argsort(dim=-1)
+        cand = idx.gather(1, order)
+        chosen = _draw(vals.gather(1, order), u[trunc])
+        picked = cand.gather(1, chosen[:, None]).squeeze(1)
+        short = (mass[:, 0] < top_p) & (ks > width)  # nucleus wider than the candidates
         if bool(short.any()):
-            weights[short] = _nucleus_full(sub[short].softmax(-1), top_p[short])
-        tokens[trunc] = _draw(weights, u[trunc])
+            weights = _nucleus_full(sub[short].softmax(-1), top_p[short])
+            picked[short] = _draw(weights, u[trunc][short])
+        tokens[trunc] = picked
     return tokens
 
 
@@ -158,6 +170,8 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
         tokens = logits.argmax(-1)
+    elif not any(greedy):
+        tokens = _sample_rows(logits if processed else logits.clone(), rows)
     else:
         tokens = logits.argmax(-1)
         idx = [i for i, g in enumerate(greedy) if not g]

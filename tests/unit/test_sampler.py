@@ -47,6 +47,28 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     assert logits[0, :4].tolist() == [1.0, -4.0, 2.0, -2.0]
 
 
+def test_batched_penalties_equal_each_rows_definition_in_a_mixed_batch():
+    # rows with and without each penalty, side by side; each must get exactly its own
+    torch.manual_seed(0)
+    vocab, n = 64, 6
+    logits = torch.randn(n, vocab) * 3
+    counts = [torch.randint(0, 3, (vocab,)).float() * (torch.rand(vocab) < 0.2) for _ in range(n)]
+    seen = [(c > 0) | (torch.rand(vocab) < 0.1) for c in counts]
+    params = [dict(repetition_penalty=1.3), dict(presence_penalty=0.5, frequency_penalty=0.2),
+              dict(), dict(repetition_penalty=0.8, frequency_penalty=-0.4),
+              dict(presence_penalty=-1.0), dict(repetition_penalty=1.1, presence_penalty=0.3)]
+    rows = [row(counts=c, seen=m, **p) for c, m, p in zip(counts, seen, params, strict=True)]
+    want = logits.clone()
+    for i, p in enumerate(params):
+        r = p.get("repetition_penalty", 1.0)
+        x = want[i]
+        want[i] = torch.where(seen[i], torch.where(x > 0, x / r, x * r), x)
+        want[i] -= p.get("frequency_penalty", 0.0) * counts[i]
+        want[i] -= p.get("presence_penalty", 0.0) * (counts[i] > 0).float()
+    apply_penalties(logits, rows)
+    assert torch.allclose(logits, want)
+
+
 def test_penalties_change_the_sampled_distribution():
     logits = torch.tensor([[2.0, 1.9, -5, -5, -5, -5, -5, -5]])
     counts = torch.tensor([4.0, 0, 0, 0, 0, 0, 0, 0])
