@@ -396,6 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also `tokenline serve` under `bench serve` at an unbounded rate, right "
                    "after the offline continuous run")
     e = p.add_argument_group("engine flags (tokenline)")
+    e.add_argument("--dtype", help="ours only (the baselines stay float32): float32 or bfloat16")
     for flag in ("max-total-tokens", "max-running-requests", "chunked-prefill-size",
                  "max-prefill-tokens", "page-size"):
         e.add_argument(f"--{flag}", type=int)
@@ -433,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.workload}: no requests")
     engine_flags = {k: getattr(args, k) for k in ("max_total_tokens", "max_running_requests",
                                                   "chunked_prefill_size", "max_prefill_tokens",
-                                                  "page_size") if getattr(args, k) is not None}
+                                                  "page_size", "dtype")
+                    if getattr(args, k) is not None}
     if args.quick:  # a small pool: the default one (GiBs) takes longer to allocate than to use
         engine_flags.setdefault("max_total_tokens", QUICK_POOL_TOKENS)
     prompt_tokens = sum(len(r.prompt_ids) for r in requests)

@@ -35,7 +35,9 @@ class ServerArgs:
     cache_dir: str | None = _flag(None, "where converted models are cached")
     # engine
     device: str = _flag("auto", "cpu, cuda or auto")
-    dtype: str = _flag("auto", "float32, bfloat16, float16 or auto (float32 on CPU, bf16 on CUDA)")
+    dtype: str = _flag("auto", "float32, bfloat16, float16 or auto (float32 on CPU, bf16 on "
+                       "CUDA); bfloat16 on a CPU with AVX512-BF16 runs the projections in bf16 "
+                       "and keeps activations and the KV cache in float32")
     attention_backend: str = _flag("auto", "auto, torch or triton",
                                    choices=["auto", "torch", "triton"])
     num_threads: int | None = _flag(None, "torch CPU threads of the model worker")

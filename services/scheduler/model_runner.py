@@ -26,6 +26,13 @@ def _onednn_enabled() -> bool:
     return torch.backends.mkldnn.is_available() and os.environ.get("TOKENLINE_ONEDNN", "1") != "0"
 
 
+def _cpu_bf16_linears(device: torch.device) -> bool:
+    """Whether bfloat16 projections run natively here (oneDNN on AVX512-BF16 or AMX)."""
+    return device.type == "cpu" and _onednn_enabled() and (
+        torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -56,7 +63,13 @@ class ModelRunner:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = pick_device(device)
-        self.dtype = pick_dtype(dtype, self.device)
+        self.dtype = pick_dtype(dtype, self.device)  # activations, attention, KV cache
+        self.linear_dtype = self.dtype  # the projections' weights and matmuls
+        if self.dtype == torch.bfloat16 and _cpu_bf16_linears(self.device):
+            # On CPU, bfloat16 pays off in the projections (oneDNN's AVX512-BF16 kernels run
+            # about 2x float32, half the bytes per step) and costs elsewhere (bfloat16
+            # elementwise work and attention have no fast CPU path): the rest stays float32.
+            self.dtype = torch.float32
         self.config = json.loads((model_path / "config.json").read_text())
         arch = (self.config.get("architectures") or ["LlamaForCausalLM"])[0]
         if self.config.get("model_type") not in ("llama", "mistral") and "Llama" not in arch:
@@ -72,7 +85,7 @@ class ModelRunner:
         self.model.rotary.float()  # positions stay exact in float32
         self.linear_backend = "torch"
         if self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_enabled():
-            self.model.pack_for_cpu()
+            self.model.pack_for_cpu(self.linear_dtype)
             self.linear_backend = "onednn"
         c = self.config
         self.num_layers = c["num_hidden_layers"]
@@ -97,6 +110,7 @@ class ModelRunner:
         )
         log.info(f"KV cache: {slots} tokens in {self.num_blocks} blocks of {page_size} tokens, "
                  f"{self.kv_bytes / GiB:.2f} GiB", device=str(self.device), dtype=str(self.dtype),
+                 linear_dtype=str(self.linear_dtype),
                  backend=self.backend.name, linear=self.linear_backend,
                  decode_attention=self.attention_kernel)
 
@@ -153,6 +167,7 @@ class ModelRunner:
             },
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
+            "linear_dtype": str(self.linear_dtype).removeprefix("torch."),
             "attention_backend": self.backend.name,
             "linear_backend": self.linear_backend,
             "decode_attention": self.attention_kernel,

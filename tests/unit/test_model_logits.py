@@ -58,3 +58,22 @@ def test_smollm2_logits_match_transformers(smol_path):
     ours = our_logits(runner, ids * 3, chunk=20)
     ref = hf_logits(smol_path, ids * 3)
     assert (ours - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this CPU has no native bfloat16 matmuls")
+def test_bfloat16_on_cpu_runs_the_projections_in_bf16_and_stays_close(smol_path):
+    """--dtype bfloat16 on CPU: bf16 projection weights and matmuls, float32 everything else
+    (KV cache included); the logits stay within bf16's rounding of transformers' float32."""
+    runner = ModelRunner(smol_path, max_total_tokens=512, device="cpu", dtype="bfloat16")
+    assert runner.linear_dtype == torch.bfloat16 and runner.dtype == torch.float32
+    assert runner.kv_caches[0][0].dtype == torch.float32
+    assert runner.model.lm_packed.dtype == torch.bfloat16
+    assert runner.info()["linear_dtype"] == "bfloat16"
+    ids = [1, 504, 3458, 282, 4649, 314, 2330, 30, 378, 1535, 2476, 3060, 28, 357, 3032, 30]
+    ours = our_logits(runner, ids * 2, chunk=20)
+    ref = hf_logits(smol_path, ids * 2)
+    err = (ours - ref).abs().max().item()
+    assert 1e-4 < err < 0.05 * ref.abs().max().item()  # not float32's result, but near it
+    agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
+    assert agree >= 0.9
