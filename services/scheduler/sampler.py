@@ -80,9 +80,10 @@ def uniform(seed: int, position: int) -> float:
     return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
 
 
-# Rows with top-k or top-p look at this many best tokens first; a row whose nucleus is wider
-# (a very flat distribution) falls back to sorting the whole vocabulary.
+# Rows with top-k or top-p look at their best tokens only: this many first, then (for a
+# nucleus wider than that, a flat distribution) the next width, then the whole vocabulary.
 CANDIDATES = 1024
+WIDER_CANDIDATES = 8192
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -102,35 +103,68 @@ def _sample_rows(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         probs = _min_p(sub.softmax(-1), min_p[plain])
         tokens[plain] = _draw(probs, u[plain])
     if trunc:
-        # Only the best candidates matter: softmax over them with the full row's normalizer.
         sub = scaled if len(trunc) == len(rows) else scaled[trunc]
         vocab = sub.shape[-1]
         top_k = [rows[i].params.top_k for i in trunc]
-        cap = max(top_k) if all(k > 0 for k in top_k) else max(CANDIDATES, max(top_k))
-        width = min(vocab, cap)
-        top, idx = sub.topk(width, dim=-1)
-        vals = (top - sub.logsumexp(-1, keepdim=True)).exp()
-        vals = _min_p(vals, min_p[trunc], vals[:, :1])
-        ks = torch.tensor([k if k > 0 else vocab for k in top_k], device=dev)
-        vals = vals.masked_fill(torch.arange(width, device=dev)[None, :] >= ks[:, None], 0.0)
-        cum = vals.cumsum(-1)
+        ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=dev)
         top_p = torch.tensor([rows[i].params.top_p for i in trunc], device=dev)
-        mass = cum[:, -1:]  # top-p applies to the distribution after top-k, renormalized
-        vals = vals.masked_fill(cum - vals >= top_p[:, None] * mass, 0.0)
+        cap = max(top_k) if all(k > 0 for k in top_k) else max(CANDIDATES, max(top_k))
+        tokens[trunc] = _draw_truncated(sub, ks, top_p, min_p[trunc], u[trunc], cap)
+    return tokens
+
+
+def _draw_truncated(sub: torch.Tensor, ks: torch.Tensor, top_p: torch.Tensor,
+                    min_p: torch.Tensor, u: torch.Tensor, cap: int) -> torch.Tensor:
+    """Draw each row from its best tokens, widening the candidates only for the rows whose
+    nucleus does not fit (a handful of rows on real text, each a partial sort, not a full one)."""
+    vocab = sub.shape[-1]
+    tokens = torch.empty(sub.shape[0], dtype=torch.long, device=sub.device)
+    todo = torch.arange(sub.shape[0], device=sub.device)
+    width = min(vocab, cap)
+    while True:
+        part = sub if len(todo) == sub.shape[0] else sub[todo]
+        ids, weights, short = nucleus(part, width, ks[todo], top_p[todo], min_p[todo])
+        done = ~short
         # Draw in vocabulary order, not in sorted order: the order of near-equal candidates
         # can change with batch size (matmul rounding), the vocabulary's never does. Zeros
         # add nothing to a running sum, so the candidates alone, put in vocabulary order, give
         # the same cumulative weights as the whole row would.
-        order = idx.argsort(dim=-1)
-        cand = idx.gather(1, order)
-        chosen = _draw(vals.gather(1, order), u[trunc])
-        picked = cand.gather(1, chosen[:, None]).squeeze(1)
-        short = (mass[:, 0] < top_p) & (ks > width)  # nucleus wider than the candidates
-        if bool(short.any()):
-            weights = _nucleus_full(sub[short].softmax(-1), top_p[short])
-            picked[short] = _draw(weights, u[trunc][short])
-        tokens[trunc] = picked
-    return tokens
+        order = ids[done].argsort(dim=-1)
+        chosen = _draw(weights[done].gather(1, order), u[todo[done]])
+        tokens[todo[done]] = ids[done].gather(1, order).gather(1, chosen[:, None]).squeeze(1)
+        if not bool(short.any()):
+            return tokens
+        todo = todo[short]
+        width = WIDER_CANDIDATES if width < WIDER_CANDIDATES < vocab else vocab
+
+
+def nucleus(logits: torch.Tensor, width: int, ks: torch.Tensor, top_p: torch.Tensor,
+            min_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's `width` best tokens with the probability each keeps after min-p, top-k and
+    top-p (0 for those cut): (token ids [n, width] best first, weights, rows whose nucleus is
+    wider than `width` and must be looked at again, wider).
+
+    Top-p is a share of what min-p and top-k leave: with top-k inside the candidates that is
+    their sum; without it, the whole row's (1, or what min-p keeps of it)."""
+    vocab = logits.shape[-1]
+    top, ids = logits.topk(width, dim=-1)
+    lse = logits.logsumexp(-1, keepdim=True)
+    probs = (top - lse).exp()
+    probs = _min_p(probs, min_p, probs[:, :1])
+    probs = probs.masked_fill(
+        torch.arange(width, device=logits.device)[None, :] >= ks[:, None], 0.0)
+    cum = probs.cumsum(-1)
+    total = cum[:, -1].clone()  # all there is when top-k cut, or min-p cut the last candidate
+    beyond = ks > width  # rows whose distribution goes on past the candidates
+    if bool(beyond.any()):
+        total[beyond & (min_p <= 0)] = 1.0
+        tail = beyond & (min_p > 0) & (probs[:, -1] > 0)  # min-p keeps some of the rest
+        if bool(tail.any()):
+            full = (logits[tail] - lse[tail]).exp()
+            total[tail] = _min_p(full, min_p[tail]).sum(-1)
+    probs = probs.masked_fill(cum - probs >= top_p[:, None] * total[:, None], 0.0)
+    short = beyond & (width < vocab) & (cum[:, -1] < top_p * total)
+    return ids, probs, short
 
 
 def _min_p(probs: torch.Tensor, min_p: torch.Tensor, best: torch.Tensor | None = None):
@@ -138,14 +172,6 @@ def _min_p(probs: torch.Tensor, min_p: torch.Tensor, best: torch.Tensor | None =
         return probs
     best = probs.max(-1, keepdim=True).values if best is None else best
     return probs.masked_fill(probs < best * min_p[:, None], 0.0)
-
-
-def _nucleus_full(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Top-p over the whole vocabulary (flat rows): the kept probabilities, in vocab order."""
-    vals, idx = probs.sort(dim=-1, descending=True)
-    cum = vals.cumsum(-1)
-    vals = vals.masked_fill(cum - vals >= top_p[:, None] * cum[:, -1:], 0.0)
-    return torch.zeros_like(probs).scatter_(1, idx, vals)
 
 
 def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

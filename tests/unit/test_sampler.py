@@ -125,3 +125,43 @@ def test_logprobs_are_the_raw_log_softmax_with_top_k():
 def test_suppressed_tokens_are_never_chosen():
     logits = torch.tensor([[9.0, 1.0, 0, 0, 0, 0, 0, 0]])
     assert sample(logits, [row(temperature=0.0, suppress=[0])])[0] == [1]
+
+
+def _reference_nucleus(logits: torch.Tensor, k: int, p: float, min_p: float) -> torch.Tensor:
+    """The definitions, one row, by a full sort: min-p, then top-k, then the smallest set of
+    best tokens holding a share p of what is left."""
+    probs = logits.softmax(-1)
+    probs = probs.masked_fill(probs < probs.max() * min_p, 0.0)
+    vals, order = probs.sort(descending=True)
+    if k:
+        vals[k:] = 0.0
+    cum = vals.cumsum(-1)
+    vals = vals.masked_fill(cum - vals >= p * cum[-1], 0.0)
+    return torch.zeros_like(probs).scatter_(0, order, vals)
+
+
+def test_nucleus_over_a_large_vocabulary_matches_the_definition():
+    # Peaked rows fit the first 1,024 candidates; flat ones need 8,192 or the whole row. Each
+    # must keep exactly the reference's tokens with their probabilities, whatever the width.
+    from services.scheduler.sampler import CANDIDATES, WIDER_CANDIDATES, nucleus
+
+    torch.manual_seed(0)
+    vocab = 12000
+    cases = [(scale, k, p, m) for scale in (8.0, 3.0, 0.5, 0.05)
+             for k, p, m in ((0, 0.95, 0.0), (0, 0.9, 0.02), (50, 0.8, 0.0), (3000, 0.99, 0.0),
+                             (0, 0.999, 0.5))]
+    widths_used = set()
+    for scale, k, p, m in cases:
+        logits = torch.randn(1, vocab) * scale
+        ks = torch.tensor([k or vocab])
+        for width in (min(CANDIDATES if not k else k, vocab), WIDER_CANDIDATES, vocab):
+            ids, weights, short = nucleus(logits, width, ks, torch.tensor([p]),
+                                          torch.tensor([m]))
+            if not short[0]:
+                break
+        widths_used.add(width)
+        got = torch.zeros(vocab).scatter_(0, ids[0], weights[0])
+        want = _reference_nucleus(logits[0], k, p, m)
+        assert torch.equal(got > 0, want > 0), (scale, k, p, m, width)
+        assert torch.allclose(got, want, atol=1e-6)
+    assert widths_used == {CANDIDATES, 50, 3000, WIDER_CANDIDATES, vocab}
