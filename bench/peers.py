@@ -162,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[Run] = []
     for round_ in range(args.rounds):
         for system, make in systems:
-            run = measure(system, make(), requests)
+            try:
+                run = measure(system, make(), requests)
+            except (RuntimeError, TimeoutError, OSError) as exc:  # a server that won't serve
+                print(f"error: {system}: {exc}", file=sys.stderr)
+                return 1
             run.extra["round"] = round_
             runs.append(run)
             print(f"round {round_ + 1}: {system}: {run.tokens_per_s:.1f} useful tok/s in "

