@@ -83,6 +83,7 @@ class ModelRunner:
         model.load_weights(model_path)
         self.model = model.to(self.dtype).eval()
         self.model.rotary.float()  # positions stay exact in float32
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.linear_backend = "torch"
         if self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_enabled():
             self.model.pack_for_cpu(self.linear_dtype)
@@ -93,9 +94,9 @@ class ModelRunner:
         self.head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         self.vocab_size = c["vocab_size"]
         self.attention_kernel = self._pick_attention_kernel(c["num_attention_heads"])
-        self.num_parameters = sum(p.numel() for p in self.model.parameters())
+        # what stays of the plain weights (on CPU the projections' were swapped for oneDNN
+        # copies), and those copies
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        # the oneDNN copies of the projections and the lm_head live next to the weights
         self.packed_bytes = self.model.packed_bytes()
         self.num_blocks = self._size_pool(max_total_tokens, mem_fraction_static, cpu_memory_gib)
         slots = self.num_blocks * page_size

@@ -77,3 +77,21 @@ def test_bfloat16_on_cpu_runs_the_projections_in_bf16_and_stays_close(smol_path)
     assert 1e-4 < err < 0.05 * ref.abs().max().item()  # not float32's result, but near it
     agree = (ours.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree >= 0.9
+
+
+def test_cpu_projections_keep_only_their_onednn_copies(tiny_model_dir):
+    """Packing must not double the memory the projections hold: their plain weights go."""
+    from services.scheduler.models.llama import Linear
+
+    runner = ModelRunner(tiny_model_dir, max_total_tokens=512, device="cpu", dtype="float32")
+    if runner.linear_backend != "onednn":
+        pytest.skip("oneDNN is off here")
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.weight is None and m.packed is not None for m in linears)
+    embed = runner.model.embed_tokens.weight
+    norms = sum(p.numel() for n, p in runner.model.named_parameters() if "norm" in n)
+    assert runner.weight_bytes == (embed.numel() + norms) * 4
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    assert runner.num_parameters == hf.num_parameters()  # still counts every parameter

@@ -45,8 +45,11 @@ class Linear(nn.Linear):
     packed_bias: torch.Tensor | None = None
 
     def pack(self, dtype: torch.dtype | None = None) -> None:
+        """Run from a oneDNN copy from now on; the plain weight is freed (it would double the
+        memory the projections hold)."""
         self.packed = onednn_pack(self.weight, dtype)
         self.packed_bias = None if self.bias is None else self.bias.detach().to(self.packed.dtype)
+        self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -211,21 +214,24 @@ class LlamaForCausalLM(nn.Module):
 
     def packed_bytes(self) -> int:
         """Memory held by the oneDNN copies (0 until `pack_for_cpu`)."""
-        packed = [(m.weight, m.packed) for m in self.modules()
+        packed = [m.packed for m in self.modules()
                   if isinstance(m, Linear) and m.packed is not None]
         if self.lm_packed is not None:
-            packed.append((self.lm_weight, self.lm_packed))
-        return sum(w.numel() * p.element_size() for w, p in packed)
+            packed.append(self.lm_packed)
+        return sum(p.numel() * p.element_size() for p in packed)
 
     def pack_for_cpu(self, dtype: torch.dtype | None = None) -> None:
         """Run every projection and the lm_head through oneDNN (after the weights are final),
         from copies in `dtype` (default: the weights' own).
 
-        The packed copies come on top of the weights (the embedding still serves lookups)."""
+        The projections' plain weights are freed; a tied lm_head's copy comes on top of the
+        embedding, which still serves lookups."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(dtype)
         self.lm_packed = onednn_pack(self.lm_weight, dtype)
+        if self.lm_head is not None:
+            self.lm_head.weight = None
 
     def load_weights(self, path: Path) -> None:
         """Read HF-named safetensors, fusing q/k/v and gate/up as we go."""
