@@ -34,10 +34,11 @@ class ServerArgs:
     instance_id: str | None = _flag(None, "this service instance's id (default: random)")
     cache_dir: str | None = _flag(None, "where converted models are cached")
     # engine
-    device: str = _flag("auto", "cpu, cuda or auto")
+    device: str = _flag("auto", "cpu, cuda, cuda:N or auto", type="device")
     dtype: str = _flag("auto", "float32, bfloat16, float16 or auto (float32 on CPU, bf16 on "
                        "CUDA); bfloat16 on a CPU with AVX512-BF16 runs the projections in bf16 "
-                       "and keeps activations and the KV cache in float32")
+                       "and keeps activations and the KV cache in float32",
+                       choices=["auto", "float32", "bfloat16", "float16"])
     attention_backend: str = _flag("auto", "auto, torch or triton",
                                    choices=["auto", "torch", "triton"])
     num_threads: int | None = _flag(None, "torch CPU threads of the model worker")
@@ -92,6 +93,17 @@ def _parse_bool(value: str) -> bool:
     return value.strip().lower() in {"1", "true", "yes", "on"}
 
 
+def check_device(value: str) -> str:
+    """auto, cpu, cuda or cuda:N."""
+    head, _, index = value.partition(":")
+    if value in ("auto", "cpu", "cuda") or (head == "cuda" and index.isdigit()):
+        return value
+    raise argparse.ArgumentTypeError(f"{value!r} is not auto, cpu, cuda or cuda:N")
+
+
+_KINDS = {"int": int, "float": float, "int | None": int, "float | None": float}
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(ServerArgs):
         flag = "--" + f.name.replace("_", "-")
@@ -105,10 +117,18 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             action = argparse.BooleanOptionalAction if negatable else "store_true"
             parser.add_argument(flag, action=action, default=default, help=help_text)
             continue
-        kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
-            str(f.type), str
-        )
-        default = kind(env) if env is not None else f.default
+        kind = check_device if meta.pop("type", None) == "device" else _KINDS.get(str(f.type), str)
+        default = f.default
+        if env is not None:
+            try:
+                default = kind(env)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                why = f"expected {'an' if kind is int else 'a'} {kind.__name__}" if kind in (
+                    int, float) else str(exc)
+                parser.error(f"{_env_name(f.name)}={env!r}: {why}")
+            if "choices" in meta and default not in meta["choices"]:
+                parser.error(f"{_env_name(f.name)}={env!r}: choose from "
+                             + ", ".join(map(str, meta["choices"])))
         parser.add_argument(flag, type=kind, default=default, help=help_text, **meta)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -84,4 +85,9 @@ def main(make: Callable[[ServerArgs], Service], name: str, argv: list[str] | Non
 
     args = parse_server_args(argv, prog=f"python -m services.{name}")
     configure(name, args.log_level)
-    asyncio.run(make(args).run())
+    try:
+        service = make(args)
+    except (OSError, ValueError) as exc:  # the flags or the model, not a bug: one clear line
+        get_logger(name).error("cannot start", error=str(exc))
+        sys.exit(1)
+    asyncio.run(service.run())

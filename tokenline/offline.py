@@ -16,6 +16,7 @@ string is trimmed as the detokenizer service does, so the text equals what the s
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import itertools
 import time
@@ -25,7 +26,7 @@ from typing import Any
 
 import msgspec
 
-from common.config import ServerArgs
+from common.config import ServerArgs, check_device
 from common.messages import AbortReq, Finish, SamplingParams, TokenizedReq, TokenOut
 
 # vLLM's and OpenAI's default when nothing is asked for: a short completion, not the context.
@@ -222,6 +223,11 @@ def _server_args(model: str | None, flags: dict[str, Any]) -> ServerArgs:
         choices = fields[name].metadata.get("choices")
         if choices and value not in choices:
             raise ValueError(f"{name}={value!r}: choose one of {choices}")
+        if fields[name].metadata.get("type") == "device":
+            try:
+                check_device(value)
+            except argparse.ArgumentTypeError as exc:
+                raise ValueError(f"{name}: {exc}") from None
     return ServerArgs(model=model, **flags)
 
 

@@ -19,6 +19,9 @@ log = get_logger("launcher")
 
 SERVICES = ("detokenizer", "tokenizer", "scheduler", "gateway")
 RESTART_BACKOFF_S = (0.5, 1, 2, 4, 8)
+# A child that keeps dying before the server was ever ready has a configuration problem (a bad
+# flag, a model it cannot load), not bad luck: stop and say so instead of looping.
+MAX_FAILED_STARTS = 3
 # Handed to the children in their environment (TOKENLINE_<FLAG>), never on a command line that
 # `ps` shows to every user of the machine.
 SECRETS = ("nats_password", "nats_token", "api_key")
@@ -49,12 +52,18 @@ class Launcher:
         self.nats: NatsServer | None = None
         self.children: list[Child] = []
         self.stopping = False
+        self.ready = False
+        self.failed: str | None = None
 
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         t0 = time.monotonic()
-        prepare_model(self.args.model, self.args.cache_dir)  # convert once, before the children
+        try:  # convert once, before the children
+            prepare_model(self.args.model, self.args.cache_dir)
+        except (OSError, ValueError) as exc:
+            print(f"tokenline serve: error: {exc}", file=sys.stderr)
+            return 2
         args = self.args
         if not args.nats_url:
             self.nats = NatsServer(user=args.nats_user, password=args.nats_password,
@@ -69,17 +78,19 @@ class Launcher:
         self.children = [Child(name, argv, env) for name in SERVICES]
         for child in self.children:
             child.start()
-        ready = False
         url = f"http://{args.host}:{args.port}"
         try:
             while not self.stopping:
                 self._supervise()
-                if not ready and self._healthy(url):
-                    ready = True
+                if not self.ready and self._healthy(url):
+                    self.ready = True
                     print(f"tokenline ready at {url} ({time.monotonic() - t0:.1f}s)", flush=True)
                 time.sleep(0.2)
         finally:
             self.shutdown()
+        if self.failed:
+            print(f"tokenline serve: error: {self.failed}", file=sys.stderr)
+            return 1
         return 0
 
     def _on_signal(self, signum, frame) -> None:
@@ -92,6 +103,12 @@ class Launcher:
                 continue
             if child.proc is not None and child.next_start == 0.0:
                 code = child.proc.returncode
+                if not self.ready and child.restarts + 1 >= MAX_FAILED_STARTS:
+                    self.failed = (f"the {child.name} exited {child.restarts + 1} times (last "
+                                   f"code {code}) before the server was ready; its output is "
+                                   "above")
+                    self.stopping = True
+                    return
                 delay = RESTART_BACKOFF_S[min(child.restarts, len(RESTART_BACKOFF_S) - 1)]
                 log.warning(f"{child.name} exited; restarting", code=code, in_s=delay)
                 child.next_start = now + delay
