@@ -34,6 +34,7 @@ from common.service import Service
 from services.gateway import spans
 from services.gateway.metrics import Metrics
 from services.gateway.protocol import (
+    MAX_N,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -47,7 +48,6 @@ from services.gateway.tracker import Event, SubRequest, Tracker, events
 log = get_logger("gateway")
 
 STAGES = ("tokenizer", "scheduler", "detokenizer")
-MAX_N = 16
 TOKENIZER_WAIT_S = 1.0  # a request waits this long for a tokenizer (one restarting) before 503
 
 
