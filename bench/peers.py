@@ -103,7 +103,8 @@ def format_report(runs: list[Run], header: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenline bench peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
-                   help="JSONL with prompt_token_ids (or prompt) and max_tokens per line")
+                   help="JSONL with prompt_token_ids and max_tokens per line (token ids, so "
+                   "that both servers see the same prompt)")
     p.add_argument("--num-prompts", type=int, help="only the first N requests")
     p.add_argument("--model", help="GGUF file for both servers (default: SmolLM2's)")
     p.add_argument("--llama-server", help="path of llama-server (default $LLAMA_SERVER, PATH)")
