@@ -501,6 +501,10 @@ def main(argv: list[str] | None = None) -> int:
     roof = roofline(timing, config, machine) if timing else None
     print()
     print(format_report(results, roof, header))
+    if roof and engine_flags.get("dtype") not in (None, "auto", "float32"):
+        print(f"note: the roofline bound is float32's (its matmul peak, 4-byte weights); under "
+              f"--dtype {engine_flags['dtype']} our projections run faster than that peak, so "
+              "the fraction above overstates how close to this machine's limit they are")
     if agreement:
         print(f"greedy tokens identical to transformers generate (batch 1): "
               f"{agreement['identical']}/{agreement['requests']} requests")
