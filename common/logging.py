@@ -32,7 +32,9 @@ def configure(service: str, level: str = "info") -> None:
     structlog.configure(
         processors=[*shared, structlog.processors.format_exc_info, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # one write per line, newline included: the services share the launcher's stderr, and
+        # with PYTHONUNBUFFERED a print's separate "\n" let two lines run into one
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     # Libraries log through the standard library (the OTLP exporter, aiohttp): the same lines,

@@ -27,6 +27,12 @@ MAX_FAILED_STARTS = 3
 SECRETS = ("nats_password", "nats_token", "api_key")
 
 
+def _say(line: str, stream) -> None:
+    """One write, newline included: the children write to the same file at the same time."""
+    stream.write(line + "\n")
+    stream.flush()
+
+
 class Child:
     def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.name = name
@@ -62,7 +68,7 @@ class Launcher:
         try:  # convert once, before the children
             prepare_model(self.args.model, self.args.cache_dir)
         except (OSError, ValueError) as exc:
-            print(f"tokenline serve: error: {exc}", file=sys.stderr)
+            _say(f"tokenline serve: error: {exc}", sys.stderr)
             return 2
         args = self.args
         if not args.nats_url:
@@ -84,12 +90,12 @@ class Launcher:
                 self._supervise()
                 if not self.ready and self._healthy(url):
                     self.ready = True
-                    print(f"tokenline ready at {url} ({time.monotonic() - t0:.1f}s)", flush=True)
+                    _say(f"tokenline ready at {url} ({time.monotonic() - t0:.1f}s)", sys.stdout)
                 time.sleep(0.2)
         finally:
             self.shutdown()
         if self.failed:
-            print(f"tokenline serve: error: {self.failed}", file=sys.stderr)
+            _say(f"tokenline serve: error: {self.failed}", sys.stderr)
             return 1
         return 0
 
