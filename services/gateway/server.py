@@ -197,12 +197,9 @@ class GatewayService(Service):
         log.warning("scheduler lost", scheduler_id=scheduler_id, requests=len(victims),
                     survivors=[s.instance_id for s in survivors])
         if not survivors:
-            for sub in victims:
-                self.tracker.deliver(ErrorOut(
-                    rid=sub.msg.rid, status=503, err_type="service_unavailable",
-                    code="scheduler_lost",
-                    message=f"the scheduler serving this request ({scheduler_id}) stopped "
-                            "responding and no other scheduler is alive; retry shortly"))
+            self._fail_unavailable(victims, "scheduler_lost",
+                                   f"the scheduler serving this request ({scheduler_id}) stopped "
+                                   "responding and no other scheduler is alive; retry shortly")
             return
         load = {s.instance_id: s.num_running + s.num_waiting for s in survivors}
         for sub in victims:
@@ -220,6 +217,13 @@ class GatewayService(Service):
                                               status=exc.status, err_type=exc.err_type,
                                               code=exc.code))
 
+    def _fail_unavailable(self, subs: list[SubRequest], code: str, message: str) -> None:
+        """End each of `subs` with a 503 the client may retry."""
+        for sub in subs:
+            self.tracker.deliver(ErrorOut(rid=sub.msg.rid, status=503,
+                                          err_type="service_unavailable", code=code,
+                                          message=message))
+
     # -- tokenizer loss -------------------------------------------------------------------------
     async def _tokenizer_gone(self, tokenizer_id: str) -> bool:
         self._on_tokenizer_lost(tokenizer_id)
@@ -232,12 +236,9 @@ class GatewayService(Service):
                    and s.finish is None and not s.finished]
         if victims:
             log.warning("tokenizer lost", tokenizer_id=tokenizer_id, requests=len(victims))
-        for sub in victims:
-            self.tracker.deliver(ErrorOut(
-                rid=sub.msg.rid, status=503, err_type="service_unavailable",
-                code="tokenizer_lost",
-                message=f"the tokenizer handling this request ({tokenizer_id}) stopped "
-                        "responding; retry shortly"))
+        self._fail_unavailable(victims, "tokenizer_lost",
+                               f"the tokenizer handling this request ({tokenizer_id}) stopped "
+                               "responding; retry shortly")
 
     # -- NATS loss ------------------------------------------------------------------------------
     def _on_nats_connection(self, up: bool) -> None:
@@ -252,12 +253,9 @@ class GatewayService(Service):
         victims = [s for s in self.tracker.subs.values() if s.finish is None and not s.finished]
         if victims:
             log.warning("NATS connection lost", requests=len(victims))
-        for sub in victims:
-            self.tracker.deliver(ErrorOut(
-                rid=sub.msg.rid, status=503, err_type="service_unavailable",
-                code="nats_disconnected",
-                message="the gateway lost its connection to NATS while this request ran; "
-                        "retry shortly"))
+        self._fail_unavailable(victims, "nats_disconnected",
+                               "the gateway lost its connection to NATS while this request ran; "
+                               "retry shortly")
 
     async def _to_tokenizer(self, msg: GenerateReq, headers: dict[str, str]) -> str:
         """Hand a request to a tokenizer and return the id of the one that took it.
