@@ -33,6 +33,19 @@ inline void prefetch_block(const float* cache, int32_t block, int64_t page, int6
     for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(base + j * row * 4 + off);
 }
 
+// Calls f(t, row t of the cache) for the sequence's tokens 0..len-1 in order, walking its
+// block table and prefetching the next block while this one is read.
+template <typename F>
+inline void for_each_row(const float* cache, const int32_t* __restrict table, int64_t len,
+                         int64_t page, int64_t row, int64_t D, F&& f) {
+  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += page, ++blk) {
+    const float* b = cache + static_cast<int64_t>(table[blk]) * page * row;
+    const int64_t n = std::min(page, len - t0);
+    if (t0 + page < len) prefetch_block(cache, table[blk + 1], page, row, D);
+    for (int64_t j = 0; j < n; ++j) f(t0 + j, b + j * row);
+  }
+}
+
 template <int D, int G>
 void attend(const float* __restrict q, const float* __restrict k_cache,
             const float* __restrict v_cache, const int32_t* __restrict table, int64_t len,
@@ -43,25 +56,19 @@ void attend(const float* __restrict q, const float* __restrict k_cache,
   float maxes[G];
   // finite: the file is built with -ffast-math, which assumes no infinities
   for (int g = 0; g < G; ++g) maxes[g] = std::numeric_limits<float>::lowest();
-  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += page, ++blk) {
-    const float* kb = k_cache + static_cast<int64_t>(table[blk]) * page * row;
-    const int64_t n = std::min(page, len - t0);
-    if (t0 + page < len) prefetch_block(k_cache, table[blk + 1], page, row, D);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* __restrict kr = kb + j * row;
-      float dots[G];
-      for (int g = 0; g < G; ++g) dots[g] = 0.f;
-      for (int d = 0; d < D; ++d) {
-        const float x = kr[d];
-        for (int g = 0; g < G; ++g) dots[g] += q[g * D + d] * x;
-      }
-      for (int g = 0; g < G; ++g) {
-        const float x = dots[g] * scale;
-        scores[g * len + t0 + j] = x;
-        maxes[g] = std::max(maxes[g], x);
-      }
+  for_each_row(k_cache, table, len, page, row, D, [&](int64_t t, const float* __restrict kr) {
+    float dots[G];
+    for (int g = 0; g < G; ++g) dots[g] = 0.f;
+    for (int d = 0; d < D; ++d) {
+      const float x = kr[d];
+      for (int g = 0; g < G; ++g) dots[g] += q[g * D + d] * x;
     }
-  }
+    for (int g = 0; g < G; ++g) {
+      const float x = dots[g] * scale;
+      scores[g * len + t] = x;
+      maxes[g] = std::max(maxes[g], x);
+    }
+  });
   float inv[G];
   for (int g = 0; g < G; ++g) {
     float* __restrict sg = scores + g * len;
@@ -76,20 +83,14 @@ void attend(const float* __restrict q, const float* __restrict k_cache,
   float acc[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
-  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += page, ++blk) {
-    const float* vb = v_cache + static_cast<int64_t>(table[blk]) * page * row;
-    const int64_t n = std::min(page, len - t0);
-    if (t0 + page < len) prefetch_block(v_cache, table[blk + 1], page, row, D);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* __restrict vr = vb + j * row;
-      float w[G];
-      for (int g = 0; g < G; ++g) w[g] = scores[g * len + t0 + j];
-      for (int d = 0; d < D; ++d) {
-        const float x = vr[d];
-        for (int g = 0; g < G; ++g) acc[g][d] += w[g] * x;
-      }
+  for_each_row(v_cache, table, len, page, row, D, [&](int64_t t, const float* __restrict vr) {
+    float w[G];
+    for (int g = 0; g < G; ++g) w[g] = scores[g * len + t];
+    for (int d = 0; d < D; ++d) {
+      const float x = vr[d];
+      for (int g = 0; g < G; ++g) acc[g][d] += w[g] * x;
     }
-  }
+  });
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) out[g * D + d] = acc[g][d] * inv[g];
 }
