@@ -107,8 +107,9 @@ class TokenizerService(Service):
         span = tracing.start_span("tokenize", parent, "consumer", {tracing.RID: msg.rid})
         try:
             out = self.tokenize(msg)
-        except InputError as exc:
-            tracing.set_error(span, str(exc), "invalid_request")
+        except Exception as exc:  # the span ends with the request's error, whatever it was
+            kind = "invalid_request" if isinstance(exc, InputError) else "server_error"
+            tracing.set_error(span, str(exc), kind)
             span.end()
             raise
         span.set_attribute(tracing.USAGE_INPUT_TOKENS, len(out.input_ids))
