@@ -8,22 +8,14 @@ A block is in exactly one of three states:
 
 Cached and free blocks both sit in `evictable`, least recently released first, so allocation
 takes plain free blocks and the coldest cached ones alike (vLLM's free-block queue). A full
-block is named by a hash chained over every token before it, so a hit is always a whole prefix.
+block is named by a hash chained over every token before it (`common/block_hash.py`), so a hit
+is always a whole prefix.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-
-import numpy as np
-
-ROOT_HASH = b"tokenline-root"
-
-
-def block_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    return hashlib.sha256(parent + np.asarray(tokens, dtype=np.int64).tobytes()).digest()
 
 
 class BlockPool:

@@ -12,8 +12,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from common.block_hash import extend_block_hashes
 from common.messages import Finish
-from services.scheduler.kv_pool import ROOT_HASH, BlockPool, block_hash
+from services.scheduler.kv_pool import BlockPool
 from services.scheduler.request import Request, Status
 
 
@@ -207,12 +208,7 @@ class Scheduler:
         return req.block_hashes[:usable]
 
     def _extend_hashes(self, req: Request, num_blocks: int) -> None:
-        p = self.page_size
-        hashes = req.block_hashes
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(block_hash(parent, req.tokens[i * p : (i + 1) * p]))
+        extend_block_hashes(req.block_hashes, req.tokens, self.page_size, num_blocks)
 
     def _match_prefix(self, req: Request) -> None:
         if req.num_computed or req.block_table:

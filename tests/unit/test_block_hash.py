@@ -1,0 +1,43 @@
+"""The shared block hash: what the router computes for a request is what the scheduler caches."""
+
+from __future__ import annotations
+
+from common.block_hash import ROOT_HASH, block_hash, prefix_block_hashes
+from common.messages import Finish, SamplingParams
+from services.scheduler.kv_pool import BlockPool
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+
+
+def _run_once(sched: Scheduler, rid: str, tokens: list[int]) -> Request:
+    req = Request(rid=rid, prompt_ids=tokens, params=SamplingParams(max_new_tokens=1))
+    sched.add(req)
+    sched.advance(sched.schedule())
+    sched.finish(req, Finish(kind="length"))
+    return req
+
+
+def test_router_hashes_name_exactly_the_blocks_the_scheduler_caches():
+    pool = BlockPool(32, 4)
+    sched = Scheduler(SchedulerConfig(), pool)
+    tokens = list(range(100, 119))  # 19 tokens: 4 full blocks and 3 more
+    _run_once(sched, "a", tokens)
+    assert set(pool.block_of) == set(prefix_block_hashes(tokens, 4))
+    assert len(pool.block_of) == 4
+    # a longer prompt over the same prefix hits exactly the blocks the router predicts
+    longer = tokens + list(range(7))
+    predicted = [h for h in prefix_block_hashes(longer, 4) if h in pool.block_of]
+    req = _run_once(sched, "b", longer)
+    assert req.num_cached == 4 * 4 == len(predicted) * 4
+
+
+def test_a_salt_changes_every_block_and_no_salt_is_the_default():
+    tokens = list(range(40))
+    plain = prefix_block_hashes(tokens, 8)
+    assert prefix_block_hashes(tokens, 8, salt=None) == plain
+    assert plain[0] == block_hash(ROOT_HASH, tokens[:8])
+    salted = prefix_block_hashes(tokens, 8, salt="tenant-a")
+    assert len(salted) == len(plain) == 4
+    assert not set(salted) & set(plain)
+    assert not set(salted) & set(prefix_block_hashes(tokens, 8, salt="tenant-b"))
+    assert salted == prefix_block_hashes(tokens, 8, salt="tenant-a")
