@@ -52,10 +52,28 @@ class Child:
         return self.proc is not None and self.proc.poll() is None
 
 
+class NatsChild(Child):
+    """The embedded nats-server, supervised like the services. It comes back on the same port,
+    so every service's client reconnects by itself to the URL it was given."""
+
+    def __init__(self, server: NatsServer) -> None:
+        super().__init__("nats-server", [])
+        self.server = server
+        self.proc = server.proc
+
+    def start(self) -> None:
+        try:
+            self.server.start()
+            log.info("embedded NATS server restarted", url=self.server.url)
+        except (OSError, TimeoutError) as exc:  # e.g. the port was taken meanwhile: retried
+            log.error("embedded NATS server did not start", url=self.server.url, error=str(exc))
+        self.proc = self.server.proc
+
+
 class Launcher:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
-        self.nats: NatsServer | None = None
+        self.nats: NatsChild | None = None
         self.children: list[Child] = []
         self.stopping = False
         self.ready = False
@@ -72,10 +90,11 @@ class Launcher:
             return 2
         args = self.args
         if not args.nats_url:
-            self.nats = NatsServer(user=args.nats_user, password=args.nats_password,
-                                   token=args.nats_token).start()
-            args = dataclasses.replace(args, nats_url=self.nats.url)
-            log.info("embedded NATS server", url=self.nats.url)
+            server = NatsServer(user=args.nats_user, password=args.nats_password,
+                                token=args.nats_token).start()
+            self.nats = NatsChild(server)
+            args = dataclasses.replace(args, nats_url=server.url)
+            log.info("embedded NATS server", url=server.url)
         argv = to_argv(dataclasses.replace(args, instance_id=None, **dict.fromkeys(SECRETS)))
         env = dict(os.environ)
         for name in SECRETS:
@@ -104,7 +123,7 @@ class Launcher:
 
     def _supervise(self) -> None:
         now = time.monotonic()
-        for child in self.children:
+        for child in ([self.nats] if self.nats else []) + self.children:
             if child.alive() or self.stopping:
                 continue
             if child.proc is not None and child.next_start == 0.0:
@@ -143,8 +162,8 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
-        if self.nats:
-            self.nats.stop()
+        if self.nats:  # last: the services leave cleanly while it still runs
+            self.nats.server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,9 +31,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
+def wait_for_port(host: str, port: int, timeout: float = 10.0,
+                  proc: subprocess.Popen | None = None) -> None:
+    """Until something listens on the port; fails at once if `proc` (the listener) exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise OSError(f"exited with code {proc.returncode} before listening on "
+                          f"{host}:{port}")
         try:
             with socket.create_connection((host, port), timeout=0.2):
                 return
@@ -43,7 +48,10 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0) -> None:
 
 
 class NatsServer:
-    """Start with `start()`, stop with `stop()`; `url` is what services connect to."""
+    """Start with `start()`, stop with `stop()`; `url` is what services connect to.
+
+    `start()` again, after a stop or a crash, listens on the same port: clients reconnect to the
+    URL they already have."""
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1",
                  user: str | None = None, password: str | None = None,
@@ -54,6 +62,7 @@ class NatsServer:
         self.monitor_port = monitor_port
         self.proc: subprocess.Popen | None = None
         self.config_path: str | None = None
+        self._log = None
         self.log_path = os.path.join(tempfile.gettempdir(), f"tokenline-nats-{self.port}.log")
 
     @property
@@ -63,14 +72,22 @@ class NatsServer:
     def start(self) -> NatsServer:
         cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port)]
         if self.user or self.token:  # in a private file: a command line is public (`ps`)
-            cmd += ["-c", self._auth_config()]
+            cmd += ["-c", self.config_path or self._auth_config()]
         if self.monitor_port:
             cmd += ["-m", str(self.monitor_port)]
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        if self._log is None:
+            self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      preexec_fn=die_with_parent)
-        wait_for_port(self.host, self.port)
+        try:
+            wait_for_port(self.host, self.port, proc=self.proc)
+        except (OSError, TimeoutError):
+            self._kill()  # a server that never listened is no server: none stays behind
+            raise
         return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def _auth_config(self) -> str:
         if self.user:
@@ -88,11 +105,19 @@ class NatsServer:
             try:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self._kill()
         if self.config_path is not None:
             os.unlink(self.config_path)
             self.config_path = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
 
     def __enter__(self) -> NatsServer:
         return self.start()

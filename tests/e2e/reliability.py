@@ -108,6 +108,15 @@ def service_pids(stack: Stack) -> dict[str, int]:
     return found
 
 
+def nats_pid(stack: Stack) -> int:
+    """The nats-server this stack's launcher started (its own child: never another stack's)."""
+    assert stack.proc is not None
+    found = [pid for pid in _children(stack.proc.pid)
+             if os.path.basename(cmdline(pid)[0]) == "nats-server"]
+    assert len(found) == 1, found
+    return found[0]
+
+
 def kill9(stack: Stack, name: str) -> int:
     pid = service_pids(stack)[name]
     os.kill(pid, signal.SIGKILL)
