@@ -62,6 +62,8 @@ class GenerateReq(msgspec.Struct, tag=True, omit_defaults=True):
     # Tokens a client already received: a request moved off a dead scheduler resumes after them.
     output_ids: list[int] = msgspec.field(default_factory=list)
     scheduler_id: str | None = None  # pin to one scheduler (None: any, via the queue group)
+    # Prefix-cache isolation: only requests with the same salt share cached blocks (vLLM's name).
+    cache_salt: str | None = None
 
 
 class TokenizedReq(msgspec.Struct, tag=True, omit_defaults=True):
@@ -74,6 +76,7 @@ class TokenizedReq(msgspec.Struct, tag=True, omit_defaults=True):
     priority: int = 0
     arrival_time: float = 0.0
     output_ids: list[int] = msgspec.field(default_factory=list)
+    cache_salt: str | None = None
 
 
 class LogprobOut(msgspec.Struct, array_like=True):

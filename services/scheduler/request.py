@@ -34,6 +34,7 @@ class Request:
     params: SamplingParams
     gateway_id: str = ""
     priority: int = 0
+    cache_salt: str | None = None  # shares cached blocks only with requests of the same salt
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -65,6 +66,7 @@ class Request:
             params=msg.params,
             gateway_id=msg.gateway_id,
             priority=msg.priority,
+            cache_salt=msg.cache_salt,
             output_ids=list(msg.output_ids),
         )
 

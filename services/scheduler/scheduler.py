@@ -208,7 +208,8 @@ class Scheduler:
         return req.block_hashes[:usable]
 
     def _extend_hashes(self, req: Request, num_blocks: int) -> None:
-        extend_block_hashes(req.block_hashes, req.tokens, self.page_size, num_blocks)
+        extend_block_hashes(req.block_hashes, req.tokens, self.page_size, num_blocks,
+                            req.cache_salt)
 
     def _match_prefix(self, req: Request) -> None:
         if req.num_computed or req.block_table:

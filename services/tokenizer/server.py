@@ -154,4 +154,5 @@ class TokenizerService(Service):
             priority=msg.priority,
             arrival_time=msg.arrival_time,
             output_ids=msg.output_ids,
+            cache_salt=msg.cache_salt,
         )
