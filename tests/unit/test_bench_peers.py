@@ -138,7 +138,7 @@ def test_vllm_peer_serves_the_converted_gguf_as_its_cpu_docs_advise(
         argv = start["argv"]
         assert argv[:2] == ["serve", str(smol_path)]  # the GGUF's converted directory
         assert argv[argv.index("--dtype") + 1] == "bfloat16"
-        assert start["version"] == "0.32.0"  # the CLI's lookup of `vllm` was answered
+        assert start["version"] == "0.32.0+cpu"  # the CLI's lookup of `vllm` was answered
         assert start["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
         assert start["env"]["VLLM_CPU_KVCACHE_SPACE"] == "4"
         assert start["env"]["VLLM_HOST_IP"] == "127.0.0.1"
