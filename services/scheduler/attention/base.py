@@ -8,7 +8,8 @@ The batch is flat: the new tokens of every request packed back to back, no paddi
                               + p % page_size of the per-layer cache tensors
     new token t's slot:       slot_mapping[t]
 
-A new token at position p attends causally to KV positions [0, p].
+A new token at position p attends causally to KV positions [0, p], or with a sliding window
+of W to [p - W + 1, p] (transformers' convention: the last W positions, its own included).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class AttentionBackend:
 
     Shapes: q [T, Hq, D]; k, v [T, Hkv, D]; k_cache, v_cache [num_slots, Hkv, D] where
     num_slots = num_blocks * page_size. Returns [T, Hq, D]. Hq is a multiple of Hkv (GQA).
+    `window`: the layer's sliding window (None: full causal attention).
     """
 
     name = "base"
@@ -64,6 +66,7 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 

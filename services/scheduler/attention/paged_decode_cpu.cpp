@@ -8,7 +8,8 @@
 //   k_cache  [S, Hkv, D]       S = num_blocks * page_size; position p of request b lives in
 //   v_cache  [S, Hkv, D]       slot tables[b, p / page_size] * page_size + p % page_size
 //   tables   [B, W] int32      entries past a request's end are never read
-//   seq_lens [B] int32         positions [0, seq_lens[b]) are attended to
+//   seq_lens [B] int32         positions [0, seq_lens[b]) are attended to, or with a sliding
+//   window   int64             window W > 0 only the last W of them
 //   out      [N, Hq, D]
 //
 // Per task: scores s[g][t] = q_g . k_t * scale, a softmax over t, then sum_t p[g][t] v_t.
@@ -33,30 +34,32 @@ inline void prefetch_block(const float* cache, int32_t block, int64_t page, int6
     for (int64_t off = 0; off < D * 4; off += 64) __builtin_prefetch(base + j * row * 4 + off);
 }
 
-// Calls f(t, row t of the cache) for the sequence's tokens 0..len-1 in order, walking its
-// block table and prefetching the next block while this one is read.
+// Calls f(t - begin, row t of the cache) for the sequence's tokens begin..len-1 in order,
+// walking its block table and prefetching the next block while this one is read.
 template <typename F>
-inline void for_each_row(const float* cache, const int32_t* __restrict table, int64_t len,
-                         int64_t page, int64_t row, int64_t D, F&& f) {
-  for (int64_t t0 = 0, blk = 0; t0 < len; t0 += page, ++blk) {
+inline void for_each_row(const float* cache, const int32_t* __restrict table, int64_t begin,
+                         int64_t len, int64_t page, int64_t row, int64_t D, F&& f) {
+  for (int64_t blk = begin / page, t0 = blk * page; t0 < len; t0 += page, ++blk) {
     const float* b = cache + static_cast<int64_t>(table[blk]) * page * row;
     const int64_t n = std::min(page, len - t0);
     if (t0 + page < len) prefetch_block(cache, table[blk + 1], page, row, D);
-    for (int64_t j = 0; j < n; ++j) f(t0 + j, b + j * row);
+    for (int64_t j = std::max<int64_t>(0, begin - t0); j < n; ++j) f(t0 + j - begin, b + j * row);
   }
 }
 
 template <int D, int G>
 void attend(const float* __restrict q, const float* __restrict k_cache,
-            const float* __restrict v_cache, const int32_t* __restrict table, int64_t len,
-            int64_t page, int64_t row, float scale, float* __restrict scores,
+            const float* __restrict v_cache, const int32_t* __restrict table, int64_t begin,
+            int64_t end, int64_t page, int64_t row, float scale, float* __restrict scores,
             float* __restrict out) {
+  const int64_t len = end - begin;  // rows attended to: positions [begin, end)
   // scores s[g][t] = q_g . k_t * scale; G and D are compile-time, so the G dot products of a
   // key row run side by side in registers
   float maxes[G];
   // finite: the file is built with -ffast-math, which assumes no infinities
   for (int g = 0; g < G; ++g) maxes[g] = std::numeric_limits<float>::lowest();
-  for_each_row(k_cache, table, len, page, row, D, [&](int64_t t, const float* __restrict kr) {
+  for_each_row(k_cache, table, begin, end, page, row, D, [&](int64_t t,
+                                                            const float* __restrict kr) {
     float dots[G];
     for (int g = 0; g < G; ++g) dots[g] = 0.f;
     for (int d = 0; d < D; ++d) {
@@ -83,7 +86,8 @@ void attend(const float* __restrict q, const float* __restrict k_cache,
   float acc[G][D];
   for (int g = 0; g < G; ++g)
     for (int d = 0; d < D; ++d) acc[g][d] = 0.f;
-  for_each_row(v_cache, table, len, page, row, D, [&](int64_t t, const float* __restrict vr) {
+  for_each_row(v_cache, table, begin, end, page, row, D, [&](int64_t t,
+                                                            const float* __restrict vr) {
     float w[G];
     for (int g = 0; g < G; ++g) w[g] = scores[g * len + t];
     for (int d = 0; d < D; ++d) {
@@ -96,7 +100,7 @@ void attend(const float* __restrict q, const float* __restrict k_cache,
 }
 
 using AttendFn = void (*)(const float*, const float*, const float*, const int32_t*, int64_t,
-                          int64_t, int64_t, float, float*, float*);
+                          int64_t, int64_t, int64_t, float, float*, float*);
 
 template <int D>
 AttendFn pick_group(int64_t G) {
@@ -115,10 +119,12 @@ AttendFn pick_group(int64_t G) {
 
 AttendFn pick(int64_t D, int64_t G) {
   switch (D) {
+    case 32: return pick_group<32>(G);
     case 64: return pick_group<64>(G);
     case 80: return pick_group<80>(G);
     case 96: return pick_group<96>(G);
     case 128: return pick_group<128>(G);
+    case 256: return pick_group<256>(G);  // Gemma 3
     default: return nullptr;
   }
 }
@@ -129,7 +135,7 @@ bool supports(int64_t head_dim, int64_t group) { return pick(head_dim, group) !=
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                            torch::Tensor tables, torch::Tensor seq_lens, torch::Tensor rows,
-                           int64_t page_size, double scale) {
+                           int64_t page_size, double scale, int64_t window) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && k_cache.dtype() == torch::kFloat32 &&
               v_cache.dtype() == torch::kFloat32, "paged_decode: float32 only");
   TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
@@ -156,9 +162,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     for (int64_t i = begin; i < end; ++i) {
       const int64_t n = i / Hkv, h = i % Hkv, b = rp[n];
       const int64_t len = lp[b];
-      scores.resize(static_cast<size_t>(G * len));
+      const int64_t begin = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      scores.resize(static_cast<size_t>(G * (len - begin)));
       const int64_t head = n * Hq + h * G;
-      fn(qp + head * D, kp + h * D, vp + h * D, tp + b * W, len, page_size, row, sc,
+      fn(qp + head * D, kp + h * D, vp + h * D, tp + b * W, begin, len, page_size, row, sc,
          scores.data(), op + head * D);
     }
   });

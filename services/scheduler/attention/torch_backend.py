@@ -17,6 +17,9 @@ With `use_native` (the model runner sets it on CPU in float32 when the kernel bu
 instead go to a small C++ kernel (paged_decode_cpu.cpp) that reads each cached row once, straight
 from the block table: about 3x less memory traffic than gather + SDPA. Without it, and as the
 reference, everything here is plain torch.
+
+A sliding-window layer masks out keys more than `window - 1` positions before each query (the
+C++ kernel starts its walk at the window instead); the cache itself is the same for every layer.
 """
 
 from __future__ import annotations
@@ -50,6 +53,21 @@ class _Group:
     block_ids: torch.Tensor  # [n * num_blocks] cache blocks to gather, row by row
     length: int  # num_blocks * page_size
     mask: torch.Tensor | None  # [n, 1, 1, length] additive (0 or -inf); None when all full
+    seq: torch.Tensor  # [n] the rows' lengths
+    longest: int
+    windowed: dict[int, torch.Tensor]  # window -> its mask, made by the first layer needing it
+
+    def mask_for(self, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+        """The additive mask for a layer with this sliding window (None: the plain one)."""
+        if window is None or self.longest <= window:
+            return self.mask
+        if window not in self.windowed:
+            span = torch.arange(self.length, device=self.seq.device)
+            hidden = (span[None, :] >= self.seq[:, None]) | (
+                span[None, :] < self.seq[:, None] - window)
+            mask = torch.zeros(hidden.shape, dtype=dtype, device=self.seq.device)
+            self.windowed[window] = mask.masked_fill_(hidden, float("-inf"))[:, None, None, :]
+        return self.windowed[window]
 
 
 @dataclass
@@ -80,9 +98,9 @@ def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
         num_blocks = -(-max(lens[b] for b in reqs) // p)
         tables = meta.block_tables[torch.tensor(reqs, device=device), :num_blocks]
         mask = None
+        seq = torch.tensor([lens[b] for b in reqs], device=device)
         if min(lens[b] for b in reqs) < num_blocks * p:
             span = torch.arange(num_blocks * p, device=device)
-            seq = torch.tensor([lens[b] for b in reqs], device=device)
             past_end = span[None, :] >= seq[:, None]
             # additive, in q's dtype: SDPA would otherwise convert a bool mask in every layer
             mask = torch.zeros(past_end.shape, dtype=dtype, device=device)
@@ -93,6 +111,9 @@ def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
             block_ids=tables.clamp(min=0).reshape(-1).long(),  # -1 past the end: masked anyway
             length=num_blocks * p,
             mask=mask,
+            seq=seq,
+            longest=max(lens[b] for b in reqs),
+            windowed={},
         ))
     return plan
 
@@ -134,7 +155,8 @@ class TorchBackend(AttentionBackend):
             self._workspace = ws  # type: ignore[assignment]
         return ws
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None):
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
         if meta is not self._meta:  # the first layer of a step plans for all of them
@@ -143,11 +165,11 @@ class TorchBackend(AttentionBackend):
         assert plan is not None
         qlens = meta.query_lens_cpu
         if len(plan.decode_rows) == len(qlens):
-            return self._decode(q, k_cache, v_cache, meta, plan, scale)
+            return self._decode(q, k_cache, v_cache, meta, plan, scale, window)
         out = torch.empty_like(q)
         if plan.decode_rows:
             tokens = plan.decode_tokens
-            out[tokens] = self._decode(q[tokens], k_cache, v_cache, meta, plan, scale)
+            out[tokens] = self._decode(q[tokens], k_cache, v_cache, meta, plan, scale, window)
         for b, n in enumerate(qlens):
             if n == 1:
                 continue
@@ -155,21 +177,27 @@ class TorchBackend(AttentionBackend):
             # 4-D [1, H, n, D]: with 3-D inputs SDPA takes its slow math path on CPU
             qh = q[s:e].transpose(0, 1)[None]
             if n == meta.seq_lens_cpu[b]:  # the whole sequence is new: attend to it as it is
+                mask = None
+                if window is not None and window < n:
+                    pos = torch.arange(n, device=q.device)
+                    gap = pos[:, None] - pos[None, :]
+                    mask = (gap >= 0) & (gap < window)
                 o = F.scaled_dot_product_attention(
                     qh, k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None],
-                    is_causal=True, scale=scale, enable_gqa=True,
+                    attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
                 )
             else:
-                o = self._extend(qh, k_cache, v_cache, meta, b, scale)
+                o = self._extend(qh, k_cache, v_cache, meta, b, scale, window)
             out[s:e] = o[0].transpose(0, 1)
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan, scale: float):
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan, scale: float,
+                window: int | None):
         """One new token per decode row; q[i] and the result's row i are decode_rows[i]'s."""
         if self.use_native:
             return cpu_kernels().paged_decode(q.contiguous(), k_cache, v_cache,
                                               meta.block_tables.int(), meta.seq_lens.int(),
-                                              plan.rows, meta.page_size, scale)
+                                              plan.rows, meta.page_size, scale, window or 0)
         page_size = meta.page_size
         # rows sorted by length, so that each group is a slice: two index ops per layer in all
         q_sorted = q.index_select(0, plan.order).unsqueeze(2)  # [N, Hq, 1, D]
@@ -184,15 +212,17 @@ class TorchBackend(AttentionBackend):
                 q_sorted[g.start : g.end],
                 keys,  # [n, Hkv, length, D], a strided view of the gathered blocks
                 values,
-                attn_mask=g.mask,
+                attn_mask=g.mask_for(window, q.dtype),
                 scale=scale,
                 enable_gqa=True,
             )
             out_sorted[g.start : g.end] = o.squeeze(2)
         return torch.empty_like(q).index_copy_(0, plan.order, out_sorted)
 
-    def _extend(self, qh, k_cache, v_cache, meta: AttentionMetadata, b: int, scale: float):
-        """New tokens of one request after a cached prefix: attend causally to all of it."""
+    def _extend(self, qh, k_cache, v_cache, meta: AttentionMetadata, b: int, scale: float,
+                window: int | None):
+        """New tokens of one request after a cached prefix: attend causally to all of it (or
+        to what of it lies inside the window)."""
         n, total = qh.shape[2], meta.seq_lens_cpu[b]
         p = meta.page_size
         ids = meta.block_tables[b, : -(-total // p)].long()
@@ -200,7 +230,8 @@ class TorchBackend(AttentionBackend):
         keys = _gather(k_cache, ids, p, kbuf)[:total].transpose(0, 1)[None]  # [1, Hkv, total, D]
         values = _gather(v_cache, ids, p, vbuf)[:total].transpose(0, 1)[None]
         qpos = torch.arange(total - n, total, device=qh.device)
-        mask = torch.arange(total, device=qh.device)[None, :] <= qpos[:, None]
+        gap = qpos[:, None] - torch.arange(total, device=qh.device)[None, :]
+        mask = (gap >= 0) if window is None else (gap >= 0) & (gap < window)
         return F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=True)
 

@@ -51,6 +51,7 @@ class TritonBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         store_kvcache(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -63,12 +64,13 @@ class TritonBackend(AttentionBackend):
             decode_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.seq_lens, out,
                 meta.page_size, scale, num_splits, split_len, block_n=self.decode_block_n,
+                window=window,
             )
         else:
             extend_attention(
                 q, k_cache, v_cache, meta.block_tables, meta.query_start_loc, meta.seq_lens,
                 out, meta.page_size, scale, meta.max_query_len,
-                block_m=self.extend_block_m, block_n=self.extend_block_n,
+                block_m=self.extend_block_m, block_n=self.extend_block_n, window=window,
             )
         return out
 

@@ -21,6 +21,10 @@ Extend: one program per (request, query head, tile of BLOCK_M new tokens). The n
 sit at positions [prefix, seq_len) with prefix = seq_len - query_len; a token at position
 p reads KV positions [0, p], the cached prefix from the pool and the new tokens causally
 (they were stored by `store_kvcache` first).
+
+A sliding window W (a layer's `window`, 0 for none) narrows that to [p - W + 1, p]: decode
+splits and extend tiles start their loop at the window and mask per row inside it. A row can
+then meet a tile it sees nothing of, so the running max is kept finite (no -inf - -inf).
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ def _decode_kernel(
     Mid_lse,
     qk_scale,
     split_len,
+    window,
     stride_q_t,
     stride_q_h,
     stride_kc_s,
@@ -104,6 +109,7 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -113,6 +119,8 @@ def _decode_kernel(
     seq_len = tl.load(Seq_lens + b)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
+    if HAS_WINDOW:  # positions before seq_len - window are outside it: a split may be empty
+        start = tl.maximum(start, seq_len - window)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -194,7 +202,8 @@ def _decode_reduce_kernel(
     mask_d = offs_d < HEAD_DIM
     lse = tl.load(Mid_lse + b.to(tl.int64) * stride_ml_b + h * stride_ml_h + offs_s, mask=mask_s,
                   other=float("-inf"))
-    # Split 0 always holds the first token, so the max is finite and empty splits weigh 0.
+    # The split holding the last token has a finite lse, so the max is finite and empty
+    # splits weigh 0.
     weight = tl.exp2(lse - tl.max(lse, 0))
     weight = weight / tl.sum(weight, 0)
     mid = tl.load(Mid_o + b.to(tl.int64) * stride_mo_b + h * stride_mo_h
@@ -215,6 +224,7 @@ def _extend_kernel(
     Seq_lens,
     Out,
     qk_scale,
+    window,
     stride_q_t,
     stride_q_h,
     stride_kc_s,
@@ -230,6 +240,7 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
@@ -263,7 +274,10 @@ def _extend_kernel(
     table = Block_tables + b.to(tl.int64) * stride_bt
     # The last new token in this tile sees positions up to its own; nothing later is needed.
     end = tl.minimum(seq_len, prefix + (m_block + 1) * BLOCK_M)
-    for n0 in range(0, end, BLOCK_N):
+    lo = 0
+    if HAS_WINDOW:  # the first new token in this tile sees nothing before its window
+        lo = tl.maximum(0, prefix + m_block * BLOCK_M - window + 1)
+    for n0 in range(lo, end, BLOCK_N):
         pos = n0 + offs_n
         mask_n = pos < end
         block = tl.load(table + pos // PAGE_SIZE, mask=mask_n, other=0).to(tl.int64)
@@ -274,11 +288,16 @@ def _extend_kernel(
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
-        # Every row sees position 0 in the first tile, so m_i is finite from then on (no NaN).
-        s = tl.where(mask_n[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        seen = mask_n[None, :] & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            seen = seen & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        # Without a window every row sees position 0 in the first tile, so m_new is finite;
+        # with one, a row may see nothing of a tile yet: subtract 0 instead of -inf (no NaN).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_cache + slot[:, None] * stride_vc_s + kv_head * stride_vc_h + offs_d[None, :],
                     mask=kv_mask, other=0.0)
@@ -287,7 +306,8 @@ def _extend_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    # rows past the request's end may have seen nothing (with a window); they are not stored
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     tl.store(Out + rows[:, None] * stride_o_t + h * stride_o_h + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -349,6 +369,7 @@ def decode_attention(
     num_splits: int,
     split_len: int,
     block_n: int = 32,
+    window: int | None = None,
 ) -> None:
     """One query token per request (row b of q is request b), split-K over the context.
 
@@ -373,7 +394,7 @@ def decode_attention(
         ml_strides = (mid_lse.stride(0), mid_lse.stride(1))
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, mid_o, mid_lse,
-        scale * LOG2E, split_len,
+        scale * LOG2E, split_len, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
@@ -385,6 +406,7 @@ def decode_attention(
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n,
         SINGLE_SPLIT=single,
+        HAS_WINDOW=bool(window),
         DOT_PRECISION=_dot_precision(q.dtype),
         UPCAST=_upcast(q.dtype),
     )
@@ -412,6 +434,7 @@ def extend_attention(
     max_query_len: int,
     block_m: int = 32,
     block_n: int = 32,
+    window: int | None = None,
 ) -> None:
     """New tokens of each request attend to its cached prefix and causally to each other.
 
@@ -425,7 +448,7 @@ def extend_attention(
     _check_last_dim_contiguous(q, k_cache, v_cache, out)
     _extend_kernel[(batch, num_q_heads, triton.cdiv(max_query_len, block_m))](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        scale * LOG2E,
+        scale * LOG2E, window or 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), out.stride(0), out.stride(1),
@@ -435,6 +458,7 @@ def extend_attention(
         BLOCK_D=_block_d(head_dim),
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        HAS_WINDOW=bool(window),
         DOT_PRECISION=_dot_precision(q.dtype),
         UPCAST=_upcast(q.dtype),
     )
