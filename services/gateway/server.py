@@ -83,7 +83,7 @@ class GatewayService(Service):
     def __init__(self, args: ServerArgs) -> None:
         super().__init__(args)
         self.info = model_info(prepare_model(args.model, args.cache_dir), args.served_model_name,
-                               args.model)
+                               args.model, args.chat_template)
         self.max_model_len = args.max_model_len or self.info.max_model_len
         self.model_name = self.info.name
         self.tracker = Tracker()
@@ -356,7 +356,7 @@ class GatewayService(Service):
         return _json({"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": int(self.started),
             "owned_by": "tokenline", "root": str(self.info.path),
-            "max_model_len": self.max_model_len,
+            "max_model_len": self.max_model_len, "architecture": self.info.architecture,
         }]})
 
     async def server_info(self, request: web.Request) -> web.Response:
@@ -364,6 +364,7 @@ class GatewayService(Service):
         info = dict(scheds[0].info or {}) if scheds else {}
         info.setdefault("model", self.model_name)
         info.setdefault("max_model_len", self.max_model_len)
+        info.setdefault("architecture", self.info.architecture)
         info["schedulers"] = [s.instance_id for s in scheds]
         info["gateway_id"] = self.instance_id
         return _json(info)
@@ -543,6 +544,9 @@ class GatewayService(Service):
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req: ChatCompletionRequest = await self._body(request, ChatCompletionRequest)
         self._check_model(req.model)
+        if self.info.chat_template is None:  # a base model (e.g. the Gemma 3 270M GGUF)
+            raise APIError("this model has no chat template: use /v1/completions or /generate, "
+                           "or start the server with --chat-template FILE", "messages")
         if not req.messages:
             raise APIError("messages must not be empty", "messages")
         self._check_messages(req.messages)

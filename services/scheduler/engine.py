@@ -71,7 +71,7 @@ class EngineCore:
     def __init__(self, args: ServerArgs, model_path: Path | None = None) -> None:
         self.args = args
         path = model_path or prepare_model(args.model, args.cache_dir)
-        self.info = model_info(path, args.served_model_name, args.model)
+        self.info = model_info(path, args.served_model_name, args.model, args.chat_template)
         self.runner = ModelRunner(
             path,
             device=args.device,

@@ -12,7 +12,7 @@ import torch
 from common.logging import get_logger
 from services.scheduler.attention.base import AttentionMetadata, get_backend
 from services.scheduler.attention.torch_backend import TorchBackend, cpu_kernels
-from services.scheduler.models.llama import LlamaForCausalLM
+from services.scheduler.models import model_class
 from services.scheduler.request import Request
 
 log = get_logger("model_runner")
@@ -71,18 +71,15 @@ class ModelRunner:
             # elementwise work and attention have no fast CPU path): the rest stays float32.
             self.dtype = torch.float32
         self.config = json.loads((model_path / "config.json").read_text())
-        arch = (self.config.get("architectures") or ["LlamaForCausalLM"])[0]
-        if self.config.get("model_type") not in ("llama", "mistral") and "Llama" not in arch:
-            raise ValueError(f"unsupported model type {self.config.get('model_type')!r}: "
-                             "tokenline runs the Llama family")
+        family = model_class(self.config)  # refuses what the engine does not implement
+        self.architecture = family.__name__
         self.max_model_len = max_model_len or int(self.config.get("max_position_embeddings", 2048))
         self.page_size = page_size
         self.backend = get_backend(attention_backend, self.device)
         with torch.device(self.device):
-            model = LlamaForCausalLM(self.config, self.backend, self.max_model_len)
+            model = family(self.config, self.backend, self.max_model_len)
         model.load_weights(model_path)
         self.model = model.to(self.dtype).eval()
-        self.model.rotary.float()  # positions stay exact in float32
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.linear_backend = "torch"
         if self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_enabled():
@@ -160,6 +157,7 @@ class ModelRunner:
                 "dtype": str(self.dtype).removeprefix("torch."),
             },
             "model_config": {
+                "architecture": self.architecture,
                 "num_hidden_layers": self.num_layers,
                 "num_key_value_heads": self.num_kv_heads,
                 "head_dim": self.head_dim,

@@ -27,7 +27,7 @@ class TokenizerService(Service):
     def __init__(self, args: ServerArgs) -> None:
         super().__init__(args)
         self.info = model_info(prepare_model(args.model, args.cache_dir), args.served_model_name,
-                               args.model)
+                               args.model, args.chat_template)
         self.max_model_len = args.max_model_len or self.info.max_model_len
         self.tok = TextTokenizer(self.info)
         self.in_flight: set[str] = set()

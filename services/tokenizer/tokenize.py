@@ -19,6 +19,10 @@ class InputError(ValueError):
         self.status = status
 
 
+NO_TEMPLATE = ("this model has no chat template: use /v1/completions or /generate, or start "
+               "the server with --chat-template FILE")
+
+
 def _raise(message: str) -> None:
     raise InputError(message, "messages")
 
@@ -64,9 +68,7 @@ class TextTokenizer:
                                  f"messages[{i}].content")
             messages[i] = m
         if self.template is None:
-            # No template: plain role-prefixed lines, so base models still answer something.
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
-            return text + ("assistant: " if add_generation_prompt else "")
+            raise InputError(NO_TEMPLATE, "messages")
         try:
             return self.template.render(
                 messages=messages,

@@ -81,7 +81,7 @@ def test_bfloat16_on_cpu_runs_the_projections_in_bf16_and_stays_close(smol_path)
 
 def test_cpu_projections_keep_only_their_onednn_copies(tiny_model_dir):
     """Packing must not double the memory the projections hold: their plain weights go."""
-    from services.scheduler.models.llama import Linear
+    from services.scheduler.models.layers import Linear
 
     runner = ModelRunner(tiny_model_dir, max_total_tokens=512, device="cpu", dtype="float32")
     if runner.linear_backend != "onednn":

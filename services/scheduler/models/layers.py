@@ -1,0 +1,382 @@
+"""The decoder every family shares, over a flat packed batch (no padding) and a paged KV cache.
+
+RMSNorm, rotary embeddings (default, linear and llama3 scaling), grouped-query attention
+through an attention backend (optionally inside a sliding window), a gated MLP (SwiGLU or
+GeGLU). QKV and gate/up projections are fused into one matmul each. On CPU the projections and
+the lm_head run through oneDNN from packed copies of their weights.
+
+A family (llama.py, qwen2.py, ...) is an `Arch`: the handful of choices it makes differently,
+read from its config, plus, where a layer is shaped differently (Gemma 3), a layer class.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.scheduler.attention.base import AttentionBackend, AttentionMetadata
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+ROPE_TYPES = ("default", "linear", "llama3")
+ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def onednn_pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A [out, in] weight (cast to `dtype`) reordered for oneDNN's inner-product kernel (CPU).
+
+    Why: torch runs a float32 F.linear through MKL, which on AMD CPUs takes a path about 2.5x
+    slower than oneDNN's AVX-512 kernels (measured on an EPYC: 110 against 265 GFLOP/s per
+    core). The result is float32 all the same, only summed in another order. A bfloat16 copy
+    runs on AVX512-BF16 at about twice that again.
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype or weight.dtype))
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
+    """x @ packed.T (+ bias), computed in the packed weight's dtype, returned in x's."""
+    if packed.dtype == x.dtype:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, bias, "none", [], "")
+    return out.to(x.dtype)
+
+
+class Linear(nn.Linear):
+    """nn.Linear that, once `pack()`ed, runs from a oneDNN copy of its weight (CPU)."""
+
+    packed: torch.Tensor | None = None
+    packed_bias: torch.Tensor | None = None
+
+    def pack(self, dtype: torch.dtype | None = None) -> None:
+        """Run from a oneDNN copy from now on; the plain weight is freed (it would double the
+        memory the projections hold)."""
+        self.packed = onednn_pack(self.weight, dtype)
+        self.packed_bias = None if self.bias is None else self.bias.detach().to(self.packed.dtype)
+        self.weight = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return onednn_linear(x, self.packed, self.packed_bias)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * (offset + weight): offset 0 for Llama and most, 1 for Gemma (whose weights
+    are stored as a difference from one and applied in float32)."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0 else torch.zeros(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight if self.offset == 0 else self.weight.float() + self.offset
+        if x.dtype == torch.float32:  # one fused pass, bit-identical to the float32 steps below
+            return F.rms_norm(x, self.weight.shape, weight, self.eps)
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (xf * weight).to(x.dtype)
+        return weight * xf.to(x.dtype)
+
+
+def rope_parameters(config: dict, layer_type: str | None = None) -> dict:
+    """The rope dict of a config (transformers 5's `rope_parameters`, or the older
+    `rope_scaling` + `rope_theta`), per layer type where a family keys it so (Gemma 3)."""
+    rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    if layer_type is not None and isinstance(rope.get(layer_type), dict):
+        rope = dict(rope[layer_type])
+    rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope["rope_type"] = rope.get("rope_type", rope.get("type", "default"))
+    return rope
+
+
+def inv_freq(rope: dict, head_dim: int) -> torch.Tensor:
+    theta = rope["rope_theta"]
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = rope["rope_type"]
+    if kind == "linear":
+        return inv / rope["factor"]
+    if kind == "llama3":
+        factor = rope["factor"]
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        old_len = rope["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        smooth = (old_len / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(is_mid, mid, scaled)
+    if kind != "default":  # the config check refuses these first; never compute them wrongly
+        raise ValueError(f"unsupported rope scaling type {kind!r}")
+    return inv
+
+
+class Rotary:
+    """cos/sin tables of one rope setting. Plain tensors, not buffers: they stay float32 (and
+    positions exact) whatever dtype the model is cast to."""
+
+    def __init__(self, rope: dict, head_dim: int, max_len: int) -> None:
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq(rope, head_dim))
+        self.cos = freqs.cos()  # [max_len, D/2]
+        self.sin = freqs.sin()
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos and sin of the step's positions, [T, 1, D/2]: looked up once for every layer."""
+        cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
+        sin = self.sin.index_select(0, positions).unsqueeze(1).to(dtype)
+        return cos, sin
+
+    @staticmethod
+    def rotate_(x: torch.Tensor, rope: RopeTables) -> None:
+        """x [T, H, D], in place: rotate the two halves of each head (HF's 'rotate_half')."""
+        cos, sin = rope
+        x1, x2 = x.chunk(2, dim=-1)
+        r1 = x1 * cos - x2 * sin
+        x2.mul_(cos).add_(x1 * sin)  # not addcmul: a fused multiply-add rounds differently
+        x1.copy_(r1)
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What a family does differently from Llama, read from its config (defaults: Llama)."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + weight): Gemma's (1 + w)
+    activation: str = "silu"  # of the MLP's gate: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    embed_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden))
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    windows: tuple[int | None, ...] = ()  # per layer: sliding window, None for full attention
+    ropes: tuple[dict, ...] = ()  # per layer rope parameters; () for the config's one
+
+
+def windows_from_layer_types(config: dict) -> tuple[int | None, ...]:
+    """transformers' `layer_types` ('sliding_attention' / 'full_attention') as windows."""
+    window = config.get("sliding_window")
+    types = config.get("layer_types") or ()
+    return tuple(window if t == "sliding_attention" else None for t in types)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: dict, arch: Arch, window: int | None, rotary: Rotary,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        hidden = config["hidden_size"]
+        self.num_heads = config["num_attention_heads"]
+        self.num_kv_heads = config.get("num_key_value_heads") or self.num_heads
+        self.head_dim = config.get("head_dim") or hidden // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=arch.o_bias)
+        if arch.qk_norm:
+            eps = config.get("rms_norm_eps", 1e-6)
+            self.q_norm = RMSNorm(self.head_dim, eps, arch.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, eps, arch.norm_offset)
+        self.qk_norm = arch.qk_norm
+        self.scale = arch.attn_scale or self.head_dim**-0.5
+        self.window = window
+        self.rotary = rotary
+        self.backend = backend
+
+    def forward(self, x, rope: RopeTables, meta: AttentionMetadata, k_cache, v_cache):
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+            Rotary.rotate_(q, rope)
+            Rotary.rotate_(k, rope)
+        else:
+            # q and k sit side by side in each row of qkv: rotate both in one pass, in place
+            heads = self.num_heads + self.num_kv_heads
+            Rotary.rotate_(qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim),
+                           rope)
+        o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, window=self.window)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)), gate and up as one matmul."""
+
+    def __init__(self, config: dict, arch: Arch) -> None:
+        super().__init__()
+        hidden, inter = config["hidden_size"], config["intermediate_size"]
+        self.gate_up_proj = Linear(hidden, 2 * inter, bias=arch.mlp_bias)
+        self.down_proj = Linear(inter, hidden, bias=arch.mlp_bias)
+        self.silu = arch.activation == "silu"
+        self.act = ACTIVATIONS[arch.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate = F.silu(gate, inplace=True) if self.silu else self.act(gate)
+        return self.down_proj(gate.mul_(up))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm attention and MLP, each added to the residual stream."""
+
+    def __init__(self, config: dict, arch: Arch, window: int | None, rotary: Rotary,
+                 backend: AttentionBackend) -> None:
+        super().__init__()
+        hidden, eps = config["hidden_size"], config.get("rms_norm_eps", 1e-6)
+        self.input_layernorm = RMSNorm(hidden, eps, arch.norm_offset)
+        self.self_attn = Attention(config, arch, window, rotary, backend)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, arch.norm_offset)
+        self.mlp = MLP(config, arch)
+
+    def forward(self, x, rope: RopeTables, meta, k_cache, v_cache):
+        """Updates the residual stream `x` in place and returns it."""
+        x += self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
+        x += self.mlp(self.post_attention_layernorm(x))
+        return x
+
+
+class CausalLM(nn.Module):
+    """Embedding, decoder layers, final norm, lm_head. A family subclass sets `arch()` (and
+    `layer_class` where its layers are shaped differently)."""
+
+    layer_class: type[nn.Module] = DecoderLayer
+
+    @classmethod
+    def arch(cls, config: dict) -> Arch:
+        bias = bool(config.get("attention_bias", False))
+        return Arch(qkv_bias=bias, o_bias=bias, mlp_bias=bool(config.get("mlp_bias", False)))
+
+    def __init__(self, config: dict, backend: AttentionBackend, max_len: int) -> None:
+        super().__init__()
+        self.config = config
+        arch = self.arch(config)
+        self.arch_ = arch
+        hidden = config["hidden_size"]
+        head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+        num_layers = config["num_hidden_layers"]
+        windows = arch.windows or (None,) * num_layers
+        ropes = arch.ropes or (rope_parameters(config),) * num_layers
+        assert len(windows) == len(ropes) == num_layers, "one window and rope per layer"
+        # layers with the same rope share one table (Gemma 3 has two: local and global)
+        self.rotaries: list[Rotary] = []
+        index: dict[str, int] = {}
+        self.rope_index: list[int] = []
+        for rope in ropes:
+            key = repr(sorted(rope.items()))
+            if key not in index:
+                index[key] = len(self.rotaries)
+                self.rotaries.append(Rotary(rope, head_dim, max_len))
+            self.rope_index.append(index[key])
+        self.embed_tokens = nn.Embedding(config["vocab_size"], hidden)
+        self.layers = nn.ModuleList(
+            self.layer_class(config, arch, windows[i], self.rotaries[self.rope_index[i]], backend)
+            for i in range(num_layers)
+        )
+        self.norm = RMSNorm(hidden, config.get("rms_norm_eps", 1e-6), arch.norm_offset)
+        self.tied = bool(config.get("tie_word_embeddings", False))
+        self.lm_head = None if self.tied else nn.Linear(hidden, config["vocab_size"], bias=False)
+        self.lm_packed: torch.Tensor | None = None
+        self.windows = windows
+
+    @property
+    def lm_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Logits of the tokens at `logits_indices` only: the rest of a prefill needs none."""
+        x = self.embed_tokens(input_ids)
+        if self.arch_.embed_scale != 1.0:
+            x = x * torch.tensor(self.arch_.embed_scale, dtype=x.dtype)
+        ropes = [r.tables(positions, x.dtype) for r in self.rotaries]
+        for layer, i, (k_cache, v_cache) in zip(self.layers, self.rope_index, kv_caches,
+                                                strict=True):
+            x = layer(x, ropes[i], meta, k_cache, v_cache)
+        x = self.norm(x[logits_indices])
+        return self.logits(x).float()
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lm_packed is not None:
+            return onednn_linear(x, self.lm_packed, None)
+        return F.linear(x, self.lm_weight)
+
+    def packed_bytes(self) -> int:
+        """Memory held by the oneDNN copies (0 until `pack_for_cpu`)."""
+        packed = [m.packed for m in self.modules()
+                  if isinstance(m, Linear) and m.packed is not None]
+        if self.lm_packed is not None:
+            packed.append(self.lm_packed)
+        return sum(p.numel() * p.element_size() for p in packed)
+
+    def pack_for_cpu(self, dtype: torch.dtype | None = None) -> None:
+        """Run every projection and the lm_head through oneDNN (after the weights are final),
+        from copies in `dtype` (default: the weights' own).
+
+        The projections' plain weights are freed; a tied lm_head's copy comes on top of the
+        embedding, which still serves lookups."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(dtype)
+        self.lm_packed = onednn_pack(self.lm_weight, dtype)
+        if self.lm_head is not None:
+            self.lm_head.weight = None
+
+    # q/k/v and gate/up checkpoints' names -> (our fused parameter, its shard). Families that
+    # ship them fused already (Phi-3) simply match our names.
+    FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_weights(self, path: Path) -> None:
+        """Read HF-named safetensors, fusing q/k/v and gate/up as we go."""
+        from safetensors import safe_open
+
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no .safetensors in {path}")
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if "rotary_emb" in name:
+                        continue
+                    tensor = f.get_tensor(name)
+                    target = name.removeprefix("model.")
+                    if target == "lm_head.weight" and self.lm_head is None:
+                        continue
+                    part = target.split(".")[-2]
+                    if part in self.FUSED:
+                        new_part, shard = self.FUSED[part]
+                        target = target.replace(part, new_part)
+                        param = params[target]
+                        sizes = self._shard_sizes(new_part, param.shape[0])
+                        start = sum(sizes[:shard])
+                        param.data[start : start + sizes[shard]].copy_(tensor)
+                    else:
+                        params[target].data.copy_(tensor)
+                    loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"weights missing from {path}: {sorted(missing)[:5]}")
+
+    def _shard_sizes(self, part: str, total: int) -> list[int]:
+        if part == "gate_up_proj":
+            return [total // 2, total // 2]
+        attn = self.layers[0].self_attn
+        return [attn.q_size, attn.kv_size, attn.kv_size]
