@@ -42,6 +42,10 @@ class ServerArgs:
                        "CUDA); bfloat16 on a CPU with AVX512-BF16 runs the projections in bf16 "
                        "and keeps activations and the KV cache in float32",
                        choices=["auto", "float32", "bfloat16", "float16"])
+    quantization: str = _flag(
+        "none", "weight-only quantization of every projection and the lm_head: int8 (per "
+        "output channel) or int4 (groups of 32, a GGUF's Q4_0/Q4_1/Q4_K blocks as they are); "
+        "CPU kernels, dequantized on load on CUDA", choices=["none", "int8", "int4"])
     attention_backend: str = _flag("auto", "auto, torch or triton",
                                    choices=["auto", "torch", "triton"])
     num_threads: int | None = _flag(None, "torch CPU threads of the model worker")

@@ -90,6 +90,12 @@ def default_model_path() -> str:
     return str(ggufs[0])
 
 
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file `--model` names (the default model is one), or None for a directory."""
+    path = Path(model or default_model_path()).expanduser().resolve()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
 def _cache_root(cache_dir: str | None) -> Path:
     if cache_dir:
         return Path(cache_dir)

@@ -18,7 +18,7 @@ import torch
 from common.config import ServerArgs
 from common.logging import get_logger
 from common.messages import AbortReq, Finish, LogprobOut, TokenizedReq, TokenOut
-from common.modelstore import model_info, prepare_model
+from common.modelstore import gguf_source, model_info, prepare_model
 from services.scheduler.kv_pool import BlockPool
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.request import Request, Status
@@ -83,6 +83,8 @@ class EngineCore:
             cpu_memory_gib=args.cpu_memory_gib,
             max_model_len=args.max_model_len,
             num_threads=args.num_threads,
+            quantization=args.quantization,
+            gguf_path=gguf_source(args.model) if model_path is None else None,
         )
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, args.page_size, not args.disable_prefix_cache)

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from common.logging import get_logger
+from services.scheduler import quant
 from services.scheduler.attention.base import AttentionMetadata, get_backend
 from services.scheduler.attention.torch_backend import TorchBackend, cpu_kernels
 from services.scheduler.models import model_class
@@ -59,6 +60,8 @@ class ModelRunner:
         cpu_memory_gib: float = 4.0,
         max_model_len: int | None = None,
         num_threads: int | None = None,
+        quantization: str = "none",
+        gguf_path: Path | None = None,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
@@ -82,7 +85,12 @@ class ModelRunner:
         self.model = model.to(self.dtype).eval()
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
         self.linear_backend = "torch"
-        if self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_enabled():
+        self.quantization = self._quantize(quantization, gguf_path)
+        if self.quantization is not None:
+            self.linear_backend = "torch_" + quantization
+            if self.device.type == "cpu":
+                self.linear_dtype = quant.KERNEL_DTYPE
+        elif self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_enabled():
             self.model.pack_for_cpu(self.linear_dtype)
             self.linear_backend = "onednn"
         c = self.config
@@ -106,11 +114,30 @@ class ModelRunner:
         self.kv_bytes = 2 * self.num_layers * slots * self.num_kv_heads * self.head_dim * (
             torch.finfo(self.dtype).bits // 8
         )
+        log.info(f"Weights: {(self.weight_bytes + self.packed_bytes) / (1 << 20):.0f} MiB, "
+                 f"quantization {quantization}",
+                 **(self.quantization.as_dict() if self.quantization else {}))
         log.info(f"KV cache: {slots} tokens in {self.num_blocks} blocks of {page_size} tokens, "
                  f"{self.kv_bytes / GiB:.2f} GiB", device=str(self.device), dtype=str(self.dtype),
                  linear_dtype=str(self.linear_dtype),
                  backend=self.backend.name, linear=self.linear_backend,
                  decode_attention=self.attention_kernel)
+
+    def _quantize(self, mode: str, gguf_path: Path | None) -> quant.QuantSummary | None:
+        """Quantize the loaded model's weights (`mode` int8 or int4), reading a GGUF's own int4
+        blocks where they map exactly; on CUDA, dequantized on load (quant.py says why)."""
+        if mode == "none":
+            if gguf_path:
+                log.info(f"{gguf_path.name}: weights run dequantized to {self.linear_dtype} "
+                         "(--quantization int8 or int4 runs them quantized)")
+            return None
+        # only int4 reads the file's own blocks: int8 quantizes the floats (the same numbers
+        # as requantizing Q8_0 per row), and reading a GGUF's header takes seconds
+        gguf = quant.GGUFWeights(gguf_path, self.config) if gguf_path and mode == "int4" else None
+        if gguf is not None:
+            gguf.check(mode)
+        return quant.quantize_model(self.model, mode, gguf, packed=self.device.type == "cpu",
+                                    dtype=quant.KERNEL_DTYPE)
 
     def _pick_attention_kernel(self, num_heads: int) -> str:
         """On CPU in float32, decodes go through the C++ kernel when it builds for this shape."""
@@ -169,6 +196,8 @@ class ModelRunner:
             "linear_dtype": str(self.linear_dtype).removeprefix("torch."),
             "attention_backend": self.backend.name,
             "linear_backend": self.linear_backend,
+            "quantization": self.quantization.as_dict() if self.quantization else {"mode": "none"},
+            "weight_bytes": self.weight_bytes + self.packed_bytes,
             "decode_attention": self.attention_kernel,
         }
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.scheduler.attention.base import AttentionBackend, AttentionMetadata
+from services.scheduler.quant import Int8Linear, QuantizedWeight
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -49,10 +50,12 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once `pack()`ed, runs from a oneDNN copy of its weight (CPU)."""
+    """nn.Linear that, once `pack()`ed, runs from a oneDNN copy of its weight (CPU), or once
+    given `quantized` weights (services/scheduler/quant.py), from those."""
 
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
+    quantized: QuantizedWeight | None = None
 
     def pack(self, dtype: torch.dtype | None = None) -> None:
         """Run from a oneDNN copy from now on; the plain weight is freed (it would double the
@@ -62,6 +65,9 @@ class Linear(nn.Linear):
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            out = self.quantized.matmul(x)
+            return out if self.bias is None else out + self.bias
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return onednn_linear(x, self.packed, self.packed_bias)
@@ -286,6 +292,8 @@ class CausalLM(nn.Module):
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(hidden, config["vocab_size"], bias=False)
         self.lm_packed: torch.Tensor | None = None
+        self.lm_quantized: QuantizedWeight | None = None
+        self.embed_quantized: Int8Linear | None = None  # the lm_head's own when tied
         self.windows = windows
 
     @property
@@ -301,7 +309,7 @@ class CausalLM(nn.Module):
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
         """Logits of the tokens at `logits_indices` only: the rest of a prefill needs none."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if self.arch_.embed_scale != 1.0:
             x = x * torch.tensor(self.arch_.embed_scale, dtype=x.dtype)
         ropes = [r.tables(positions, x.dtype) for r in self.rotaries]
@@ -311,18 +319,29 @@ class CausalLM(nn.Module):
         x = self.norm(x[logits_indices])
         return self.logits(x).float()
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_quantized is not None:
+            return self.embed_quantized.rows(input_ids, self.norm.weight.dtype)
+        return self.embed_tokens(input_ids)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lm_quantized is not None:
+            return self.lm_quantized.matmul(x)
         if self.lm_packed is not None:
             return onednn_linear(x, self.lm_packed, None)
         return F.linear(x, self.lm_weight)
 
     def packed_bytes(self) -> int:
-        """Memory held by the oneDNN copies (0 until `pack_for_cpu`)."""
+        """Memory held by the oneDNN copies and quantized weights (0 until packed)."""
         packed = [m.packed for m in self.modules()
                   if isinstance(m, Linear) and m.packed is not None]
         if self.lm_packed is not None:
             packed.append(self.lm_packed)
-        return sum(p.numel() * p.element_size() for p in packed)
+        quantized = {id(q): q for q in [m.quantized for m in self.modules()
+                                        if isinstance(m, Linear)]
+                     + [self.lm_quantized, self.embed_quantized] if q is not None}
+        return sum(p.numel() * p.element_size() for p in packed) + sum(
+            q.nbytes for q in quantized.values())
 
     def pack_for_cpu(self, dtype: torch.dtype | None = None) -> None:
         """Run every projection and the lm_head through oneDNN (after the weights are final),

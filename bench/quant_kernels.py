@@ -1,0 +1,112 @@
+"""`python -m bench.quant_kernels`: which CPU kernel runs each weight format fastest.
+
+One run times, on SmolLM2-135M's projection shapes (fused qkv, o, fused gate/up, down, and the
+tied lm_head) at batch 1 and 64, every way we can multiply by a weight:
+
+- float32 / bfloat16 through oneDNN from a packed copy (what `--quantization none` runs);
+- int8 per-output-channel scales, `torch._weight_int8pack_mm`, activations float32 or bf16;
+- int4 group-32 scales and zero points, `torch._weight_int4pack_mm_for_cpu`, float32 or bf16;
+
+and prints milliseconds per call and the sum over one decode step (30 layers + lm_head), so
+the choice per batch size is one table. The machine it ran on may be shared: compare the
+columns of one run, not numbers of different runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+import torch
+
+from services.scheduler import quant
+from services.scheduler.models.layers import onednn_linear, onednn_pack
+
+# (name, out_features, in_features, how many per decode step) for SmolLM2-135M
+SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30),
+          ("down", 576, 1536, 30), ("lm_head", 49152, 576, 1)]
+
+
+def _time(fn: Callable[[], object], min_s: float) -> float:
+    """Fastest call of at least `min_s` of calls (after a warm-up): on a shared machine the
+    median measures the neighbours, the minimum the kernel."""
+    for _ in range(3):
+        fn()
+    times: list[float] = []
+    end = time.perf_counter() + min_s
+    while time.perf_counter() < end or len(times) < 5:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def _candidates(weight: torch.Tensor) -> dict[str, tuple[Callable, torch.dtype]]:
+    """Each kernel as (x -> out, the activation dtype it takes)."""
+    f32 = onednn_pack(weight)
+    bf16 = onednn_pack(weight, torch.bfloat16)
+    int8 = {dt: quant.Int8Linear.quantize(weight, dt) for dt in (torch.float32, torch.bfloat16)}
+    int4 = {dt: quant.Int4Linear.quantize(weight, dt) for dt in (torch.float32, torch.bfloat16)}
+    return {
+        "f32_onednn": (lambda x: onednn_linear(x, f32, None), torch.float32),
+        "bf16_onednn": (lambda x: onednn_linear(x, bf16, None), torch.float32),
+        "int8_f32": (int8[torch.float32].matmul, torch.float32),
+        "int8_bf16": (int8[torch.bfloat16].matmul, torch.bfloat16),
+        "int4_f32": (int4[torch.float32].matmul, torch.float32),
+        "int4_bf16": (int4[torch.bfloat16].matmul, torch.bfloat16),
+    }
+
+
+def run(batches: list[int], min_s: float) -> dict:
+    torch.manual_seed(0)
+    table: dict = {"threads": torch.get_num_threads(), "batches": {}}
+    for batch in batches:
+        rows: dict[str, dict[str, float]] = {}
+        step: dict[str, float] = {}
+        for name, n, k, count in SHAPES:
+            weight = torch.randn(n, k) * 0.02
+            x = torch.randn(batch, k)
+            rows[name] = {}
+            for kernel, (fn, dtype) in _candidates(weight).items():
+                xin = x.to(dtype)
+                ms = _time(lambda fn=fn, xin=xin: fn(xin), min_s) * 1e3
+                rows[name][kernel] = round(ms, 4)
+                step[kernel] = step.get(kernel, 0.0) + ms * count
+        table["batches"][batch] = {
+            "per_call_ms": rows,
+            "decode_step_ms": {k: round(v, 3) for k, v in step.items()},
+            "fastest": min(step, key=step.get),
+        }
+    return table
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.quant_kernels",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--min-seconds", type=float, default=0.3,
+                        help="time each kernel and shape for at least this long")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--json", action="store_true", help="print the table as JSON")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    table = run(args.batches, args.min_seconds)
+    if args.json:
+        print(json.dumps(table, indent=2))
+        return
+    print(f"threads: {table['threads']}")
+    for batch, res in table["batches"].items():
+        kernels = list(res["decode_step_ms"])
+        print(f"\nbatch {batch}: ms per call" + "".join(f"{k:>13}" for k in kernels))
+        for name, row in res["per_call_ms"].items():
+            print(f"  {name:<22}" + "".join(f"{row[k]:>13.4f}" for k in kernels))
+        print(f"  {'decode step (sum)':<22}"
+              + "".join(f"{res['decode_step_ms'][k]:>13.3f}" for k in kernels))
+        print(f"  fastest: {res['fastest']}")
+
+
+if __name__ == "__main__":
+    main()
