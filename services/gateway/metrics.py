@@ -3,7 +3,8 @@
 Latency histograms come from the event times the tracker stamps as outputs arrive (arrival,
 first token, each token, finish) on one monotonic clock, and the queue time the scheduler
 measures; they observe requests that completed (stop or length), so an abort or an error moves
-`request_success_total{finished_reason}` and the scheduler's abort counter, never a latency.
+`request_success_total{finished_reason}` (and an abort the scheduler's abort counter), never a
+latency.
 Scheduler gauges and counters come from the schedulers' heartbeats (StatsOut), summed over
 instances, read at scrape time.
 """
@@ -100,9 +101,9 @@ class Metrics:
         for h in (self.ttft, self.itl, self.e2e, self.queue):  # present from the start, empty
             h.labels(model_name)
         self.success = Counter(P + "request_success", "Requests ended, by finish reason "
-                               "(stop, length, abort).", ["model_name", "finished_reason"],
+                               "(stop, length, abort, error).", ["model_name", "finished_reason"],
                                registry=self.registry)
-        for reason in ("stop", "length", "abort"):  # present from the start, at 0
+        for reason in ("stop", "length", "abort", "error"):  # present from the start, at 0
             self.success.labels(model_name, reason)
         self.registry.register(_SchedulerCollector(model_name, gateway))
 
@@ -125,6 +126,7 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
-    def observe_abandoned(self, n: int) -> None:
-        """Sequences the gateway aborted itself (client gone, deadline passed)."""
-        self.success.labels(self.model_name, "abort").inc(n)
+    def observe_ended_early(self, n: int, failed: bool) -> None:
+        """Sequences that ended unfinished: with an error response to the client (`failed`: a
+        stage refused or lost them, no output in time), else aborted (the client went away)."""
+        self.success.labels(self.model_name, "error" if failed else "abort").inc(n)

@@ -443,20 +443,28 @@ class GatewayService(Service):
         try:
             taken_by = await asyncio.gather(*(self._to_tokenizer(m, headers) for m in subs_msgs))
         except BaseException as exc:  # none may stay behind in the tracker
-            await self._finish(subs, group, getattr(exc, "message", "not submitted"))
+            await self._finish(subs, group, getattr(exc, "message", "not submitted"),
+                               failed=isinstance(exc, APIError))
             raise
         for sub, tokenizer_id in zip(subs, taken_by, strict=True):
             sub.tokenizer_id = tokenizer_id
         return queue, subs
 
-    async def _finish(self, subs: list[SubRequest], group: str, reason: str) -> None:
-        """Abort whatever has not finished (client gone, deadline, error) and forget the rest."""
+    async def _finish(self, subs: list[SubRequest], group: str, reason: str,
+                      failed: bool = False) -> None:
+        """Abort whatever has not finished (client gone, deadline, error) and forget the rest.
+
+        `failed`: the client got an error response, not a finished or abandoned request.
+        """
         self.groups.pop(group, None)
         if tracing.enabled():
             spans.on_end(subs, self._usage(subs), reason)
         if reason != "finished":
             log.info("request ended early", reason=reason)
-            self.metrics.observe_abandoned(sum(not s.finished for s in subs))
+            # `_events` counted those it handed on with a stop, length or abort finish
+            self.metrics.observe_ended_early(sum(
+                not s.finished or s.finish is None or s.finish.kind == "error" for s in subs),
+                failed)
         for sub in subs:
             # Ended by an error after a scheduler took it (its scheduler or detokenizer died):
             # the stages still alive may hold state for it, so they hear of the end too.
@@ -501,7 +509,7 @@ class GatewayService(Service):
         # this handler's task only: every line it logs is about this request
         structlog.contextvars.bind_contextvars(rid=group, trace_id=tracing.trace_id(headers))
         queue, subs = await self._start(subs_msgs, headers, group)
-        reason = "client disconnected"
+        reason, failed = "client disconnected", False
         try:
             if not stream:
                 async for _ in self._events(queue, subs):
@@ -529,16 +537,16 @@ class GatewayService(Service):
             except APIError as exc:
                 if not started:
                     raise
-                reason = exc.message
+                reason, failed = exc.message, True
                 await resp.write(b"data: " + msgspec.json.encode(exc.body()) + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
             return resp
         except APIError as exc:
-            reason = exc.message
+            reason, failed = exc.message, True
             raise
         finally:
-            await self._finish(subs, group, reason)
+            await self._finish(subs, group, reason, failed)
 
     # -- OpenAI chat ----------------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:

@@ -1,5 +1,6 @@
 """/metrics and the log lines after a scripted run: 3 requests completed (one of them retracted
-once and resumed) and 1 aborted. Counters and histogram counts move by exactly that."""
+once and resumed), 1 aborted and 1 refused by the tokenizer. Counters and histogram counts move
+by exactly that, and every query of the provisioned Grafana dashboard finds its series."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import aiohttp
 import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests import dashboard
 from tests.helpers import Stack, metric
 
 # 16 KV blocks of 16 tokens. Two requests of 16 prompt + 144 output tokens are admitted
@@ -94,6 +96,10 @@ async def run():
             aborted = await _stream_and_abort(http, stack.url, {
                 "prompt": "Count to a thousand:", "max_tokens": 144, "ignore_eos": True,
                 "stream": True, "stream_options": {"include_usage": True}})
+            # accepted by the gateway, refused by the tokenizer: an error, not an abort
+            async with http.post(stack.url + "/v1/completions",
+                                 json={"prompt": "Hello", "max_tokens": 10**7}) as r:
+                assert r.status == 400 and "maximum context length" in await r.text()
             generated = metric(before, "tokenline:generation_tokens_total") + sum(
                 o["usage"]["completion_tokens"] for o in done) + aborted[2]["completion_tokens"]
             after = await _settled(http, stack.url, generated)
@@ -140,6 +146,7 @@ def test_counters_move_by_exactly_the_scripted_run(run):
         assert _delta(run, "tokenline:request_success_total", finished_reason=reason) \
             == expected
     assert _delta(run, "tokenline:request_success_total", finished_reason="abort") == 1
+    assert _delta(run, "tokenline:request_success_total", finished_reason="error") == 1
 
 
 def test_latency_histograms_count_the_completed_requests(run):
@@ -160,6 +167,29 @@ def test_gauges_return_to_idle(run):
     assert metric(after, "tokenline:kv_cache_total_blocks") == 16
     for service in ("gateway", "tokenizer", "scheduler", "detokenizer"):
         assert metric(after, "tokenline:requests_in_flight", service=service) == 0
+
+
+
+def test_every_dashboard_query_finds_served_series(run):
+    """Each selector of each panel (names taken from the parsed PromQL) matches samples that
+    /metrics serves, with every label the panel filters or groups by."""
+    samples = [s for fam in text_string_to_metric_families(run["after"]) for s in fam.samples]
+    model = run["done"][0]["model"]
+    checked = set()
+    for where, expr in dashboard.expressions(dashboard.load()):
+        query = dashboard.parse(expr, model_name=model)
+        labels_seen: set[str] = set()
+        for name, matchers in query.selectors:
+            served = [s for s in samples if s.name == name]
+            assert served, f"{where}: /metrics serves no {name}"
+            matching = [s for s in served if all(dashboard.matches(m, s.labels)
+                                                 for m in matchers)]
+            assert matching, f"{where}: no {name} sample matches {matchers}"
+            labels_seen.update(label for s in matching for label in s.labels)
+            checked.add(name)
+        missing = query.grouping - labels_seen
+        assert not missing, f"{where}: grouped by {missing}, which its series do not have"
+    assert len(checked) >= 12  # the check saw the whole dashboard, not nothing
 
 
 def _log_lines(run: dict) -> list[dict]:

@@ -126,6 +126,61 @@ def test_compose_observability_profile_wires_traces_to_jaeger(compose):
         assert interpolate(raw, {}) == ""
 
 
+
+def _mounts(service: dict) -> dict[str, str]:
+    """Container path -> repository path of each file or folder mounted from the repository."""
+    out = {}
+    for volume in service.get("volumes", []):
+        source, target = volume.split(":")[:2]
+        if source.startswith("./"):
+            assert (REPO / source).exists(), volume
+            out[target] = source
+    return out
+
+
+def test_compose_observability_profile_scrapes_and_draws_metrics(compose):
+    services = compose["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert prometheus["profiles"] == grafana["profiles"] == ["observability"]
+    assert prometheus["image"].startswith("prom/prometheus:")
+    assert grafana["image"].startswith("grafana/grafana:")
+    assert any(p.endswith(":9090") for p in prometheus["ports"])
+    assert any(p.endswith(":3000") for p in grafana["ports"])
+
+    # Prometheus reads deploy/prometheus.yaml, and scrapes /metrics on the gateway's own port
+    config_file = next(a.split("=", 1)[1] for a in prometheus["command"]
+                       if a.startswith("--config.file="))
+    mounts = _mounts(prometheus)
+    assert mounts[config_file].startswith("./deploy/")
+    scrape = yaml.safe_load((REPO / mounts[config_file]).read_text())
+    (job,) = scrape["scrape_configs"]
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    gateway_port = int(env_of(services["gateway"])["TOKENLINE_PORT"])
+    (dns,) = job["dns_sd_configs"]  # every gateway container, however many are scaled
+    assert dns["names"] == ["gateway"] and dns["type"] == "A" and dns["port"] == gateway_port
+    assert "enable_metrics" in FLAGS and "TOKENLINE_ENABLE_METRICS" not in env_of(
+        services["gateway"])  # on by default, and compose does not turn it off
+
+    # Grafana's provisioning and dashboards come from deploy/grafana, at the paths it reads
+    mounts = _mounts(grafana)
+    provisioning = REPO / mounts["/etc/grafana/provisioning"]
+    assert provisioning.is_relative_to(REPO / "deploy")
+    (source,) = yaml.safe_load(
+        (provisioning / "datasources/prometheus.yaml").read_text())["datasources"]
+    assert source["url"] == f"http://prometheus:{_published_port(prometheus)}"
+    (provider,) = yaml.safe_load(
+        (provisioning / "dashboards/tokenline.yaml").read_text())["providers"]
+    dashboards = REPO / mounts[provider["options"]["path"]]
+    assert dashboards.is_relative_to(REPO / "deploy") and list(dashboards.glob("*.json"))
+    home = env_of(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (dashboards / home.removeprefix(provider["options"]["path"] + "/")).exists()
+
+
+def _published_port(service: dict) -> int:
+    """The container port of a service's one published port."""
+    (port,) = service["ports"]
+    return int(str(port).rsplit(":", 1)[1])
+
 def test_compose_environment_names_real_flags(compose, monkeypatch):
     """A typo in a TOKENLINE_ name would be ignored silently by the services: catch it here."""
     for name, svc in compose["services"].items():
