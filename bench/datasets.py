@@ -26,6 +26,8 @@ class SampleRequest:
     prompt: str | list[int]
     prompt_len: int  # tokens; an estimate for text prompts (the server's usage overrides it)
     max_tokens: int
+    # Turns of one conversation share an id and go in order, each after the previous answered.
+    conversation: int | None = None
 
 
 def random_requests(
@@ -85,6 +87,44 @@ def load_jsonl(path: str | Path, num_prompts: int | None = None) -> list[SampleR
                 raise ValueError(f"{where}: needs prompt (str) or prompt_token_ids")
             requests.append(req)
             if num_prompts is not None and len(requests) >= num_prompts:
+                break
+    return requests
+
+
+def load_conversations(path: str | Path, num_conversations: int | None = None,
+                       ) -> list[SampleRequest]:
+    """Multi-turn conversations, each turn re-sending the whole history, as token ids.
+
+    The file (see `bench/workloads/make_workloads.py`) holds a shared system prompt once,
+    `{"system_prompt_token_ids": [...]}`, then one conversation per line:
+    `{"turns": [{"user_token_ids": [...], "answer_token_ids": [...]}, ...]}`. Turn t's prompt
+    is system + (user, answer) of every earlier turn + its own user part; it asks for
+    len(answer) tokens. The next turn carries the file's answer, not the model's: the history
+    is the same in every run, and the prefix a turn can find cached is its previous prompt.
+    """
+    system: list[int] | None = None
+    requests: list[SampleRequest] = []
+    conversations = 0
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            row = json.loads(line)
+            if "system_prompt_token_ids" in row:
+                system = list(row["system_prompt_token_ids"])
+                continue
+            if system is None or not row.get("turns"):
+                raise ValueError(f"{path}:{lineno}: expected the system prompt line first, "
+                                 "then lines with turns")
+            history = list(system)
+            for turn in row["turns"]:
+                prompt = history + turn["user_token_ids"]
+                answer = turn["answer_token_ids"]
+                requests.append(SampleRequest(prompt, len(prompt), len(answer), conversations))
+                history = prompt + answer
+            conversations += 1
+            if num_conversations is not None and conversations >= num_conversations:
                 break
     return requests
 

@@ -26,7 +26,13 @@ import aiohttp
 import msgspec
 from tqdm import tqdm
 
-from bench.datasets import SampleRequest, load_jsonl, load_sharegpt, random_requests
+from bench.datasets import (
+    SampleRequest,
+    load_conversations,
+    load_jsonl,
+    load_sharegpt,
+    random_requests,
+)
 from bench.stats import (
     LATENCY_METRICS,
     RequestOutput,
@@ -76,7 +82,13 @@ async def run_benchmark(
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     url = base_url.rstrip("/") + endpoint
-    times = arrival_times(len(requests), request_rate, burstiness, seed)
+    # A conversation's turns go one after another; conversations (and plain requests, each
+    # its own) arrive by the arrival process.
+    chains: dict[object, list[int]] = {}
+    for i, r in enumerate(requests):
+        key = ("request", i) if r.conversation is None else ("conversation", r.conversation)
+        chains.setdefault(key, []).append(i)
+    times = arrival_times(len(chains), request_rate, burstiness, seed)
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), disable=not progress, desc=f"rate {request_rate:g}")
 
@@ -87,20 +99,23 @@ async def run_benchmark(
         if model is None:
             model = await fetch_first_model(session, base_url, headers)
 
-        async def dispatch(i: int, req: SampleRequest) -> RequestOutput:
+        outputs: list[RequestOutput] = [RequestOutput() for _ in requests]
+
+        async def dispatch(k: int, chain: list[int]) -> None:
             # Absolute send times keep the arrival process exact however long sleeps overrun.
-            delay = bench_start + times[i] - time.perf_counter()
+            delay = bench_start + times[k] - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            body = _request_body(req, model, chat, temperature, ignore_eos, extra_body)
-            async with semaphore or contextlib.nullcontext():
-                out = await _stream_request(session, url, body, req, headers, chat, bench_start)
-            bar.update(1)
-            return out
+            for i in chain:
+                req = requests[i]
+                body = _request_body(req, model, chat, temperature, ignore_eos, extra_body)
+                async with semaphore or contextlib.nullcontext():
+                    outputs[i] = await _stream_request(session, url, body, req, headers, chat,
+                                                       bench_start)
+                bar.update(1)
 
         bench_start = time.perf_counter()
-        tasks = [asyncio.create_task(dispatch(i, r)) for i, r in enumerate(requests)]
-        outputs: list[RequestOutput] = await asyncio.gather(*tasks)
+        await asyncio.gather(*(dispatch(k, chain) for k, chain in enumerate(chains.values())))
         duration = time.perf_counter() - bench_start
     bar.close()
 
@@ -232,6 +247,9 @@ async def _stream_request(
     out.output_tokens = int(usage["completion_tokens"]) if usage else len(texts)
     if usage and usage.get("prompt_tokens") is not None:
         out.prompt_len = int(usage["prompt_tokens"])  # the server's count beats our estimate
+    if usage:
+        out.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                                or 0)
     out.success = True
     return out
 
@@ -263,6 +281,9 @@ def format_result(result: dict[str, Any]) -> str:
     row("Benchmark duration (s):", result["duration"], ".2f")
     row("Total input tokens:", result["total_input_tokens"])
     row("Total generated tokens:", result["total_output_tokens"])
+    if result.get("total_cached_tokens"):
+        row("Total cached prompt tokens:", result["total_cached_tokens"])
+        row("Prefix cache hit rate:", result["cache_hit_rate"], ".3f")
     row("Request throughput (req/s):", result["request_throughput"], ".2f")
     if "request_goodput" in result:
         row("Request goodput (req/s):", result["request_goodput"], ".2f")
@@ -344,10 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="bearer token (default: $OPENAI_API_KEY)")
     d = p.add_argument_group("dataset")
-    d.add_argument("--dataset-name", choices=["random", "jsonl", "sharegpt"], default="random")
-    d.add_argument("--dataset-path", help="file for jsonl and sharegpt")
+    d.add_argument("--dataset-name", choices=["random", "jsonl", "sharegpt", "conversations"],
+                   default="random",
+                   help="conversations: multi-turn, each turn after the previous answered")
+    d.add_argument("--dataset-path", help="file for jsonl, sharegpt and conversations")
     d.add_argument("--num-prompts", type=int,
-                   help="requests to send (default: the whole file, or 100 for random)")
+                   help="requests to send (conversations: how many conversations; default: "
+                        "the whole file, or 100 for random)")
     d.add_argument("--random-input-len", type=int, default=1024)
     d.add_argument("--random-output-len", type=int, default=128)
     d.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -388,6 +412,8 @@ def load_requests(args: argparse.Namespace) -> list[SampleRequest]:
         raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path")
     if args.dataset_name == "jsonl":
         return load_jsonl(args.dataset_path, args.num_prompts)
+    if args.dataset_name == "conversations":
+        return load_conversations(args.dataset_path, args.num_prompts)
     return load_sharegpt(args.dataset_path, args.num_prompts, args.sharegpt_output_len, args.seed)
 
 

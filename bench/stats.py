@@ -31,6 +31,7 @@ class RequestOutput:
     success: bool = False
     error: str = ""
     prompt_len: int = 0
+    cached_tokens: int = 0  # prompt tokens the server found in its prefix cache (its usage)
     output_tokens: int = 0
     ttft: float = 0.0
     e2el: float = 0.0
@@ -127,6 +128,7 @@ def compute_metrics(
     ok = [o for o in outputs if o.success]
     total_input = sum(o.prompt_len for o in ok)
     total_output = sum(o.output_tokens for o in ok)
+    total_cached = sum(o.cached_tokens for o in ok)
     duration = max(duration_s, 1e-9)
     metrics: dict = {
         "duration": duration_s,
@@ -134,6 +136,8 @@ def compute_metrics(
         "failed": len(outputs) - len(ok),
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,
+        "total_cached_tokens": total_cached,
+        "cache_hit_rate": total_cached / total_input if total_input else 0.0,
         "request_throughput": len(ok) / duration,
         "output_throughput": total_output / duration,
         "total_token_throughput": (total_input + total_output) / duration,

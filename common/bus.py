@@ -101,6 +101,13 @@ class Bus:
         assert isinstance(receipt, messages.ReceiptOut), receipt
         return receipt
 
+    async def request(self, subject: str, msg: messages.Message,
+                      timeout: float) -> messages.Message:
+        """Ask one responder (`subscribe_requests` on the other side) and return its answer."""
+        assert self.nc is not None
+        reply = await self.nc.request(subject, messages.encode(msg), timeout=timeout)
+        return messages.decode(reply.data)
+
     async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> None:
         """Deliver each decoded message to `handler`; a failing handler never kills the service.
 

@@ -68,6 +68,16 @@ class ServerArgs:
     batch_wait_ms: float = _flag(20.0, "dynamic batching: longest wait to fill a batch")
     disable_prefix_cache: bool = _flag(False, "turn the prefix cache off")
     debug_check_integrity: bool = _flag(False, "check the KV pool's books whenever idle")
+    # routing (the tokenizer picks the scheduler; names as SGLang's router has them)
+    load_balance_method: str = _flag(
+        "cache_aware", "how a request's scheduler is picked: cache_aware (where its prefix is "
+        "cached, unless load is imbalanced), round_robin, shortest_queue, or random (NATS's "
+        "queue group)", choices=["cache_aware", "round_robin", "shortest_queue", "random"])
+    cache_threshold: float = _flag(0.3, "cache_aware: share of the prompt a scheduler must "
+                                   "hold cached to be picked for it")
+    balance_abs_threshold: int = _flag(64, "cache_aware: load (running + waiting) is imbalanced "
+                                       "when max - min exceeds this...")
+    balance_rel_threshold: float = _flag(1.5, "...and max exceeds min times this")
     # gateway
     api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY'")
     enable_metrics: bool = _flag(True, "serve /metrics", negatable=True)

@@ -77,6 +77,9 @@ class TokenizedReq(msgspec.Struct, tag=True, omit_defaults=True):
     arrival_time: float = 0.0
     output_ids: list[int] = msgspec.field(default_factory=list)
     cache_salt: str | None = None
+    # Prompt tokens the router expected this scheduler to hold (None: not routed by prefix);
+    # the scheduler counts it against what it then finds, the router's accuracy.
+    predicted_cached_tokens: int | None = None
 
 
 class LogprobOut(msgspec.Struct, array_like=True):
@@ -188,6 +191,51 @@ class FlushCacheOut(msgspec.Struct, tag=True, omit_defaults=True):
     message: str = ""
 
 
+class BlockStored(msgspec.Struct, tag=True):
+    """Full blocks that entered a scheduler's prefix cache: a chain, each block the child of
+    the one before it, the first the child of `parent_block_hash` (None: of the root)."""
+
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None = None
+
+
+class BlockRemoved(msgspec.Struct, tag=True):
+    """Blocks evicted from the prefix cache (their memory went to other tokens)."""
+
+    block_hashes: list[bytes]
+
+
+class AllBlocksCleared(msgspec.Struct, tag=True):
+    """The prefix cache is empty: flushed, or the scheduler (re)started."""
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KvEventsOut(msgspec.Struct, tag=True):
+    """scheduler -> anyone (`tl.kv_events.<scheduler_id>`): its prefix cache's changes in one
+    engine step, in order. `seq` counts 1, 2, 3... per scheduler process: a consumer that sees
+    a gap missed a batch and asks for a snapshot (`KvSnapshotReq`)."""
+
+    scheduler_id: str
+    seq: int
+    block_size: int
+    events: list[KvEvent]
+
+
+class KvSnapshotReq(msgspec.Struct, tag=True):
+    """anyone -> one scheduler (request/reply, `tl.kv_snapshot.<scheduler_id>`)."""
+
+
+class KvSnapshotOut(msgspec.Struct, tag=True):
+    """Every block hash the scheduler's prefix cache holds, as of event batch `seq`."""
+
+    scheduler_id: str
+    seq: int
+    block_size: int
+    block_hashes: list[bytes]
+
+
 class StatsOut(msgspec.Struct, tag=True, omit_defaults=True):
     """Every service, periodically: a heartbeat with what it holds and its counters."""
 
@@ -209,6 +257,14 @@ class StatsOut(msgspec.Struct, tag=True, omit_defaults=True):
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     num_steps_total: int = 0
+    kv_events_seq: int = 0  # the last KvEventsOut published: a consumer behind it missed some
+    # prompt tokens routed requests were predicted to find cached, and found (router accuracy)
+    routed_predicted_tokens_total: int = 0
+    routed_cached_tokens_total: int = 0
+    # tokenizer only: routing decisions by reason, and the router's view (scheduler -> blocks)
+    route_decisions_total: dict[str, int] | None = None
+    router_view: dict[str, int] | None = None
+    kv_snapshots_total: int = 0
     info: dict | None = None  # static facts (KV pool, model) for /get_server_info
 
 
@@ -223,6 +279,9 @@ Message = (
     | AbortReq
     | FlushCacheReq
     | FlushCacheOut
+    | KvEventsOut
+    | KvSnapshotReq
+    | KvSnapshotOut
     | StatsOut
 )
 

@@ -39,6 +39,13 @@ class Subjects:
     def flush_cache(self) -> str:
         return f"{self.prefix}.control.flush_cache"
 
+    def kv_events(self, scheduler_id: str = "*") -> str:
+        """What enters and leaves one scheduler's prefix cache (`*`: every scheduler's)."""
+        return f"{self.prefix}.kv_events.{scheduler_id}"
+
+    def kv_snapshot(self, scheduler_id: str) -> str:
+        return f"{self.prefix}.kv_snapshot.{scheduler_id}"
+
     def stats(self, service: str, instance_id: str) -> str:
         return f"{self.prefix}.stats.{service}.{instance_id}"
 

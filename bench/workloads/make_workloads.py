@@ -8,6 +8,10 @@
 - shared_prefix32.jsonl: 32 requests that share one 1,500-token system prompt, followed by a
   distinct 8-24 token question, 16 output tokens each: what the prefix cache is for.
   Totals: 48,507 prompt tokens (1,500 of each request shared), 512 output tokens.
+- multiturn32x6.jsonl: 32 conversations of 6 turns behind one shared 1,024-token system
+  prompt; each turn adds a 24-64 token user message and asks for a 32-token answer, and
+  re-sends the whole history (`tokenline bench serve --dataset-name conversations`).
+  Totals: see the file's first line.
 
 Prompts are token ids from [1000, 40000), ordinary tokens of SmolLM2's 49,152-token
 vocabulary, so no tokenizer is needed and every run sends the very same tokens. Send them
@@ -51,6 +55,41 @@ def shared_prefix(
     return rows
 
 
+def multiturn(rng: np.random.Generator, conversations: int = 32, turns: int = 6,
+              system_len: int = 1024, answer_len: int = 32) -> list[dict]:
+    """One system-prompt row, then one row per conversation (`bench.datasets.load_conversations`
+    builds each turn's prompt from them, so the file stays small)."""
+    def ids(n: int) -> list[int]:
+        return rng.integers(TOKEN_LOW, TOKEN_HIGH, size=n).tolist()
+
+    rows: list[dict] = [{"system_prompt_token_ids": ids(system_len)}]
+    for _ in range(conversations):
+        rows.append({"turns": [{"user_token_ids": ids(int(rng.integers(24, 64, endpoint=True))),
+                                "answer_token_ids": ids(answer_len)} for _ in range(turns)]})
+    return rows
+
+
+def write_conversations(path: Path, rows: list[dict], what: str) -> str:
+    system = rows[0]["system_prompt_token_ids"]
+    prompt = output = requests = 0
+    for row in rows[1:]:
+        history = len(system)
+        for turn in row["turns"]:
+            history += len(turn["user_token_ids"])
+            prompt += history
+            output += len(turn["answer_token_ids"])
+            history += len(turn["answer_token_ids"])
+            requests += 1
+    header = (f"# {what}; {len(rows) - 1} conversations, {requests} requests, {prompt} prompt "
+              f"tokens, {output} output tokens (send with ignore_eos); made by "
+              f"make_workloads.py, seed {SEED}")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(header + "\n")
+        for row in rows:
+            f.write(json.dumps(row, separators=(",", ":")) + "\n")
+    return header
+
+
 def write(path: Path, rows: list[dict], what: str) -> str:
     prompt = sum(len(r["prompt_token_ids"]) for r in rows)
     output = sum(r["max_tokens"] for r in rows)
@@ -69,6 +108,9 @@ def main() -> None:
                 "prompts uniform in [32, 512] tokens, outputs uniform in [16, 256]"))
     print(write(HERE / "shared_prefix32.jsonl", shared_prefix(np.random.default_rng(SEED)),
                 "one shared 1500-token system prompt + an 8-24 token question, 16 out"))
+    print(write_conversations(HERE / "multiturn32x6.jsonl", multiturn(np.random.default_rng(SEED)),
+                              "1024-token shared system prompt, 6 turns of 24-64 user + 32 "
+                              "answer tokens, whole history re-sent"))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,10 @@ class _SchedulerCollector:
                                                                "prefix cache."),
         "prefix_cache_hits": ("prefix_cache_hits_total", "Prompt tokens found in the prefix "
                                                          "cache."),
+        "router_predicted_cached_tokens": ("routed_predicted_tokens_total", "Prompt tokens the "
+                                           "router expected the scheduler it picked to hold."),
+        "router_cached_tokens": ("routed_cached_tokens_total", "Prompt tokens those routed "
+                                 "requests found cached there (over the predicted: accuracy)."),
     }
 
     def __init__(self, model_name: str, gateway: GatewayService) -> None:
@@ -74,6 +78,18 @@ class _SchedulerCollector:
             c.add_metric([self.model_name], sum(getattr(s, field) for (svc, _), s in
                                                 gw.peers.items() if svc == "scheduler"))
             yield c
+        decisions = CounterMetricFamily(P + "router_decisions", "Requests routed to a "
+                                        "scheduler, by reason (cache_hit, cache_miss, "
+                                        "imbalance, fallback, queue_group, ...).",
+                                        labels=["model_name", "reason"])
+        by_reason: dict[str, int] = {}
+        for (svc, _), s in gw.peers.items():
+            if svc == "tokenizer":
+                for reason, n in (s.route_decisions_total or {}).items():
+                    by_reason[reason] = by_reason.get(reason, 0) + n
+        for reason, n in sorted(by_reason.items()):
+            decisions.add_metric([self.model_name, reason], n)
+        yield decisions
         inflight = GaugeMetricFamily(P + "requests_in_flight",
                                      "Requests each service holds state for (leaks show here).",
                                      labels=["model_name", "service"])

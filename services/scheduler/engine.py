@@ -17,7 +17,7 @@ import torch
 
 from common.config import ServerArgs
 from common.logging import get_logger
-from common.messages import AbortReq, Finish, LogprobOut, TokenizedReq, TokenOut
+from common.messages import AbortReq, Finish, KvEvent, LogprobOut, TokenizedReq, TokenOut
 from common.modelstore import gguf_source, model_info, prepare_model
 from services.scheduler.kv_pool import BlockPool
 from services.scheduler.model_runner import ModelRunner
@@ -371,6 +371,16 @@ class EngineCore:
         n = self.pool.flush()
         return True, f"flushed {n} cached blocks"
 
+    def enable_kv_events(self) -> None:
+        self.pool.record_events()
+
+    def take_kv_events(self) -> list[KvEvent]:
+        """What entered and left the prefix cache since the last call (between steps only)."""
+        return self.pool.take_events()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return list(self.pool.block_of)
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
         if not self.scheduler.has_work():
@@ -392,6 +402,8 @@ class EngineCore:
             generation_tokens_total=self.generation_tokens_total,
             prefix_cache_queries_total=self.scheduler.prefix_queries_total,
             prefix_cache_hits_total=self.scheduler.prefix_hits_total,
+            routed_predicted_tokens_total=self.scheduler.routed_predicted_total,
+            routed_cached_tokens_total=self.scheduler.routed_cached_total,
             num_steps_total=self.num_steps,
         )
 

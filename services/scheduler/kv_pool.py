@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from common.messages import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent
+
 
 class BlockPool:
     def __init__(self, num_blocks: int, page_size: int, enable_prefix_cache: bool = True) -> None:
@@ -27,6 +29,9 @@ class BlockPool:
         self.hash_of: dict[int, bytes] = {}
         self.block_of: dict[bytes, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        # What entered and left the cache since the last `take_events`, for routers elsewhere;
+        # None: nobody listens, keep nothing.
+        self.events: list[KvEvent] | None = None
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -59,6 +64,7 @@ class BlockPool:
             h = self.hash_of.pop(block, None)
             if h is not None:
                 del self.block_of[h]
+                self._removed(h)
             self.ref_cnt[block] = 1
             out.append(block)
         return out
@@ -90,19 +96,49 @@ class BlockPool:
                 del self.evictable[block]
             self.ref_cnt[block] += 1
 
-    def register(self, block: int, h: bytes) -> None:
-        """A full, computed block becomes findable by its prefix hash."""
+    def register(self, block: int, h: bytes, parent: bytes | None) -> None:
+        """A full, computed block becomes findable by its prefix hash (`parent`: the previous
+        block's, None for a first block)."""
         if not self.enable_prefix_cache or block in self.hash_of or h in self.block_of:
             return
         self.hash_of[block] = h
         self.block_of[h] = block
+        if self.events is not None:
+            last = self.events[-1] if self.events else None
+            if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
+                last.block_hashes.append(h)  # the chain goes on
+            else:
+                self.events.append(BlockStored([h], parent))
+
+    def _removed(self, h: bytes) -> None:
+        if self.events is not None:
+            last = self.events[-1] if self.events else None
+            if isinstance(last, BlockRemoved):
+                last.block_hashes.append(h)
+            else:
+                self.events.append(BlockRemoved([h]))
 
     def flush(self) -> int:
         """Forget every cached prefix (refused by the caller while requests run)."""
         n = len(self.hash_of)
         self.hash_of.clear()
         self.block_of.clear()
+        if self.events is not None:
+            self.events = [AllBlocksCleared()]  # what came before no longer matters
         return n
+
+    # -- events -------------------------------------------------------------------------------
+    def record_events(self) -> None:
+        """Start keeping events, before anything is cached: the first says "empty", so a
+        consumer that knew this scheduler's earlier life (same id, restarted) starts over."""
+        assert not self.hash_of, "events must start with an empty cache"
+        self.events = [AllBlocksCleared()]
+
+    def take_events(self) -> list[KvEvent]:
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def check_integrity(self) -> None:
         """free + cached + used == total, and the books agree with each other."""

@@ -51,6 +51,7 @@ class Request:
     reported_first: bool = False
     pending_logprobs: list = field(default_factory=list)
     initial_outputs: int = 0  # outputs it arrived with (resumed from another scheduler)
+    predicted_cached: int | None = None  # what the router expected the prefix cache to hold
 
     def __post_init__(self) -> None:
         # An unseeded request still gets a fixed seed, so retraction never changes its text.
@@ -68,6 +69,7 @@ class Request:
             priority=msg.priority,
             cache_salt=msg.cache_salt,
             output_ids=list(msg.output_ids),
+            predicted_cached=msg.predicted_cached_tokens,
         )
 
     @property

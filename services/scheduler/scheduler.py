@@ -63,6 +63,8 @@ class Scheduler:
         self.num_retractions_total = 0
         self.prefix_queries_total = 0
         self.prefix_hits_total = 0
+        self.routed_predicted_total = 0
+        self.routed_cached_total = 0
 
     # -- queue --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -215,17 +217,18 @@ class Scheduler:
         if req.num_computed or req.block_table:
             return
         first_time = req.num_retractions == 0
-        if first_time:
-            self.prefix_queries_total += len(req.prompt_ids)
-        if not self.pool.enable_prefix_cache:
-            return
-        hits = self.pool.match_prefix(self._hashes(req))
-        self.pool.acquire(hits)
-        req.block_table = list(hits)
-        req.num_computed = len(hits) * self.page_size
+        if self.pool.enable_prefix_cache:
+            hits = self.pool.match_prefix(self._hashes(req))
+            self.pool.acquire(hits)
+            req.block_table = list(hits)
+            req.num_computed = len(hits) * self.page_size
         if first_time:
             req.num_cached = min(req.num_computed, len(req.prompt_ids))
+            self.prefix_queries_total += len(req.prompt_ids)
             self.prefix_hits_total += req.num_cached
+            if req.predicted_cached is not None:  # a router sent it here for its prefix
+                self.routed_predicted_total += req.predicted_cached
+                self.routed_cached_total += req.num_cached
 
     def cache_computed_blocks(self, req: Request) -> None:
         """Make the request's fully computed blocks findable (after a step, abort or finish)."""
@@ -234,7 +237,8 @@ class Scheduler:
         full = min(req.num_computed, req.num_tokens) // self.page_size
         self._extend_hashes(req, full)
         for i in range(full):
-            self.pool.register(req.block_table[i], req.block_hashes[i])
+            self.pool.register(req.block_table[i], req.block_hashes[i],
+                               req.block_hashes[i - 1] if i else None)
 
     # -- leaving ------------------------------------------------------------------------------
     def free(self, req: Request) -> None:

@@ -22,6 +22,9 @@ from common.messages import (
     ErrorOut,
     FlushCacheOut,
     FlushCacheReq,
+    KvEventsOut,
+    KvSnapshotOut,
+    KvSnapshotReq,
     Message,
     StatsOut,
     TokenizedReq,
@@ -45,6 +48,8 @@ class SchedulerService(Service):
         # spinning between parallel regions. A decode step at batch 1 then took 25 ms, not 19.
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-worker")
         self.engine = self.worker.submit(EngineCore, args).result()
+        self.engine.enable_kv_events()
+        self.kv_seq = 0  # the last KvEventsOut sent
         self.wake = asyncio.Event()
         self.step_lock = asyncio.Lock()
         self.detokenizers: dict[str, float] = {}  # id -> last heartbeat (monotonic)
@@ -75,6 +80,9 @@ class SchedulerService(Service):
         self.spawn(self._watch_detokenizers())
         self.bus.on_connection_change.append(self._on_nats_connection)
         await self.bus.subscribe_requests(self.subjects.flush_cache, self.on_flush)
+        await self.bus.subscribe_requests(self.subjects.kv_snapshot(self.instance_id),
+                                          self.on_kv_snapshot)
+        await self._publish_kv_events()  # "empty": routers that knew an earlier life forget it
         if tracing.enabled():
             self.spans = SchedulerSpans()
         self.spawn(self._loop())
@@ -115,7 +123,31 @@ class SchedulerService(Service):
         async with self.step_lock:
             ok, message = await asyncio.get_running_loop().run_in_executor(
                 self.worker, self.engine.flush_cache)
+            await self._publish_kv_events()
         return FlushCacheOut(scheduler_id=self.instance_id, ok=ok, message=message)
+
+    # -- KV events ------------------------------------------------------------------------------
+    async def _publish_kv_events(self) -> None:
+        """Send what entered and left the prefix cache since the last batch (no step running:
+        the caller holds `step_lock`, or is the loop between steps)."""
+        events = self.engine.take_kv_events()
+        if not events:
+            return
+        self.kv_seq += 1
+        batch = KvEventsOut(scheduler_id=self.instance_id, seq=self.kv_seq,
+                            block_size=self.args.page_size, events=events)
+        try:
+            await self.bus.publish(self.subjects.kv_events(self.instance_id), batch)
+        except Exception as exc:  # noqa: BLE001 - consumers see the gap and ask for a snapshot
+            log.warning("KV events not sent", seq=self.kv_seq, error=str(exc))
+
+    async def on_kv_snapshot(self, msg: Message) -> Message:
+        assert isinstance(msg, KvSnapshotReq)
+        async with self.step_lock:  # no step changes the cache while it is read
+            await self._publish_kv_events()  # so that `seq` covers everything in the snapshot
+            return KvSnapshotOut(scheduler_id=self.instance_id, seq=self.kv_seq,
+                                 block_size=self.args.page_size,
+                                 block_hashes=self.engine.cached_block_hashes())
 
     # -- the engine loop ------------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -136,6 +168,7 @@ class SchedulerService(Service):
                     log.exception("engine step failed")
                     outputs = self._fail_all("internal error in the engine step")
                 t1 = time.time_ns()
+                await self._publish_kv_events()
             if self.engine.last_step is not self._seen_step:
                 self._seen_step = self.engine.last_step
                 self._log_retractions(self._seen_step)
@@ -267,7 +300,7 @@ class SchedulerService(Service):
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> StatsOut:
         s = StatsOut(service=self.name, instance_id=self.instance_id, time=time.time(),
-                     **self.engine.stats())
+                     kv_events_seq=self.kv_seq, **self.engine.stats())
         s.info = self.engine.server_info()
         return s
 

@@ -1,7 +1,13 @@
-"""The tokenizer service: GenerateReq in, TokenizedReq out to a scheduler (or an error back)."""
+"""The tokenizer service: GenerateReq in, TokenizedReq out to a scheduler (or an error back).
+
+It also routes: with several schedulers, `Router` picks the one that holds the request's
+prefix (from the schedulers' KV events and heartbeats) and the request goes to that one's own
+subject; if it does not answer, to the queue group, as with `--load-balance-method random`.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import nats.errors
@@ -10,10 +16,21 @@ import structlog
 from common import tracing
 from common.config import ServerArgs
 from common.logging import get_logger, request_logger
-from common.messages import AbortReq, ErrorOut, GenerateReq, Message, StatsOut, TokenizedReq
+from common.messages import (
+    AbortReq,
+    ErrorOut,
+    GenerateReq,
+    KvEventsOut,
+    KvSnapshotOut,
+    KvSnapshotReq,
+    Message,
+    StatsOut,
+    TokenizedReq,
+)
 from common.modelstore import model_info, prepare_model
 from common.service import Service
 from common.subjects import TOKENIZER_QUEUE
+from services.tokenizer.router import Router
 from services.tokenizer.tokenize import InputError, TextTokenizer
 
 log = get_logger("tokenizer")
@@ -32,15 +49,59 @@ class TokenizerService(Service):
         self.tok = TextTokenizer(self.info)
         self.in_flight: set[str] = set()
         self.aborted: dict[str, float] = {}
+        self.router = Router(args.load_balance_method, args.cache_threshold,
+                             args.balance_abs_threshold, args.balance_rel_threshold,
+                             args.heartbeat_timeout)
 
     async def setup(self) -> None:
+        if self.router.method != "random":  # random is the queue group's pick: no views needed
+            await self.bus.subscribe(self.subjects.kv_events(), self.on_kv_events)
+            await self.bus.subscribe(self.subjects.stats_all("scheduler"), self.on_sched_stats)
+            self.spawn(self._expire_views())
         await self.bus.subscribe(self.subjects.tokenizer, self.on_request, queue=TOKENIZER_QUEUE)
         await self.bus.subscribe(self.subjects.abort, self.on_abort)
 
     def stats(self) -> StatsOut:
         s = super().stats()
         s.in_flight = len(self.in_flight)
+        s.route_decisions_total = dict(self.router.decisions)
+        s.router_view = self.router.view_sizes()
+        s.kv_snapshots_total = self.router.snapshots_total
         return s
+
+    # -- the router's view ----------------------------------------------------------------------
+    async def on_kv_events(self, msg: Message, headers: dict[str, str]) -> None:
+        if isinstance(msg, KvEventsOut) and self.router.on_events(msg, time.monotonic()):
+            self._ask_snapshot(msg.scheduler_id, "events missed")
+
+    async def on_sched_stats(self, msg: Message, headers: dict[str, str]) -> None:
+        if isinstance(msg, StatsOut) and self.router.on_heartbeat(msg, time.monotonic()):
+            self._ask_snapshot(msg.instance_id, "no view yet, or behind its heartbeat")
+
+    def _ask_snapshot(self, scheduler_id: str, why: str) -> None:
+        self.router.snapshot_sent(scheduler_id)
+        log.info("asking for a KV snapshot", scheduler_id=scheduler_id, why=why)
+        self.spawn(self._snapshot(scheduler_id))
+
+    async def _snapshot(self, scheduler_id: str) -> None:
+        snap: KvSnapshotOut | None = None
+        try:
+            reply = await self.bus.request(self.subjects.kv_snapshot(scheduler_id),
+                                           KvSnapshotReq(), timeout=self.args.heartbeat_timeout)
+            if isinstance(reply, KvSnapshotOut):
+                snap = reply
+        except Exception as exc:  # noqa: BLE001 - no answer: the next heartbeat asks again
+            log.warning("KV snapshot failed", scheduler_id=scheduler_id, error=str(exc))
+        if self.router.on_snapshot(snap, scheduler_id):
+            self._ask_snapshot(scheduler_id, "events missed while catching up")
+
+    async def _expire_views(self) -> None:
+        while True:
+            await asyncio.sleep(min(0.25, self.args.heartbeat_timeout / 4))
+            if not self.bus.connected:
+                continue  # we hear nobody: that says nothing about them
+            for scheduler_id in self.router.expire(time.monotonic()):
+                log.info("scheduler dropped from the routing view", scheduler_id=scheduler_id)
 
     async def on_abort(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, AbortReq) and msg.rid and msg.scheduler_id is None:
@@ -74,11 +135,35 @@ class TokenizerService(Service):
                         rid=msg.rid, message=f"tokenization failed: {exc}", status=500,
                         err_type="server_error"), headers)
                     return
-            subject = (self.subjects.scheduler_instance(msg.scheduler_id) if msg.scheduler_id
-                       else self.subjects.scheduler)
-            await self._forward(subject, out, headers)
+            await self._hand_off(msg, out, headers)
         finally:
             self.in_flight.discard(msg.rid)
+
+    async def _hand_off(self, msg: GenerateReq, out: TokenizedReq,
+                        headers: dict[str, str]) -> None:
+        """To the scheduler the router picks, on its own subject; if it does not listen (gone
+        since its last heartbeat), to the queue group at once. Only "no responders" falls back:
+        a request whose receipt is late may still arrive, and no two schedulers run one."""
+        if msg.scheduler_id:  # moved off a dead scheduler: the gateway picked this one
+            await self._forward(self.subjects.scheduler_instance(msg.scheduler_id), out, headers)
+            return
+        route = self.router.route(out.input_ids, time.monotonic())
+        if route.scheduler_id is not None:
+            out.predicted_cached_tokens = route.predicted_tokens
+            try:
+                await self.bus.publish_acked(self.subjects.scheduler_instance(route.scheduler_id),
+                                             out, headers, timeout=self.args.heartbeat_timeout)
+                return
+            except nats.errors.NoRespondersError:
+                request_logger(out.rid, tracing.trace_id(headers)).info(
+                    "routed scheduler gone; the queue group takes it",
+                    scheduler_id=route.scheduler_id)
+                self.router.fell_back(route)
+                out.predicted_cached_tokens = None
+            except nats.errors.Error as exc:
+                await self._not_forwarded(out, headers, exc)
+                return
+        await self._forward(self.subjects.scheduler, out, headers)
 
     async def _forward(self, subject: str, out: TokenizedReq, headers: dict[str, str]) -> None:
         """To a scheduler, with a receipt: when none listens (the only one is restarting, or the
@@ -87,9 +172,14 @@ class TokenizerService(Service):
             await self.bus.publish_acked(subject, out, headers,
                                          timeout=self.args.heartbeat_timeout)
             return
-        except nats.errors.NoRespondersError:
+        except nats.errors.Error as exc:
+            await self._not_forwarded(out, headers, exc)
+
+    async def _not_forwarded(self, out: TokenizedReq, headers: dict[str, str],
+                             exc: nats.errors.Error) -> None:
+        if isinstance(exc, nats.errors.NoRespondersError):
             message, code = "no scheduler is available; retry shortly", "no_scheduler"
-        except nats.errors.Error as exc:  # no receipt in time, or NATS is unreachable
+        else:  # no receipt in time, or NATS is unreachable
             message = f"the request could not be handed to a scheduler ({exc}); retry shortly"
             code = "scheduler_unreachable"
         request_logger(out.rid, tracing.trace_id(headers)).warning("request not forwarded",

@@ -23,7 +23,13 @@ import pytest_asyncio
 from aiohttp import web
 
 from bench import serve
-from bench.datasets import SampleRequest, load_jsonl, load_sharegpt, random_requests
+from bench.datasets import (
+    SampleRequest,
+    load_conversations,
+    load_jsonl,
+    load_sharegpt,
+    random_requests,
+)
 from bench.serve import run_benchmark
 from bench.stats import (
     RequestOutput,
@@ -94,7 +100,8 @@ class FakeServer:
                 await self._send(resp, {"choices": [choice]})
             if not chat:  # chat gets no usage, so the client must count chunks
                 await self._send(resp, {"choices": [], "usage": {
-                    "prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n}})
+                    "prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n,
+                    "prompt_tokens_details": {"cached_tokens": 3}}})
             await resp.write(b"data: [DONE]\n\n")
             return resp
         finally:
@@ -171,6 +178,34 @@ async def test_chat_endpoint_refuses_token_id_prompts(fake: FakeServer) -> None:
 async def test_token_id_prompts_are_sent_as_a_list(fake: FakeServer) -> None:
     await run_benchmark(fake.url, [SampleRequest([5, 6, 7], 3, 2)], model="m")
     assert fake.bodies[-1]["prompt"] == [5, 6, 7]
+
+
+async def test_conversation_turns_go_in_order_and_cached_tokens_are_counted(fake) -> None:
+    fake.max_in_flight = 0
+    start = len(fake.bodies)
+    requests = [SampleRequest([c, t], 2, 3, conversation=c) for c in (0, 1) for t in range(3)]
+    result = await run_benchmark(fake.url, requests, model="m")
+    assert result["completed"] == 6
+    sent = [b["prompt"] for b in fake.bodies[start:]]
+    for c in (0, 1):  # each conversation's turns in order, one at a time
+        assert [p for p in sent if p[0] == c] == [[c, 0], [c, 1], [c, 2]]
+    assert fake.max_in_flight == 2
+    assert result["total_cached_tokens"] == 6 * 3
+    assert result["cache_hit_rate"] == pytest.approx(3 / 7)
+    assert "Prefix cache hit rate:" in serve.format_result(result)
+
+
+def test_the_multiturn_workload_re_sends_each_conversations_history() -> None:
+    path = Path(__file__).resolve().parents[2] / "bench" / "workloads" / "multiturn32x6.jsonl"
+    reqs = load_conversations(path)
+    assert len(reqs) == 32 * 6 and len({r.conversation for r in reqs}) == 32
+    system = reqs[0].prompt[:1024]
+    for a, b in zip(reqs, reqs[1:], strict=False):
+        assert b.prompt[:1024] == system
+        if a.conversation == b.conversation:  # the previous prompt, its answer, a new message
+            assert b.prompt[:len(a.prompt)] == a.prompt
+            assert len(b.prompt) >= len(a.prompt) + a.max_tokens + 24
+    assert len(load_conversations(path, 2)) == 12
 
 
 async def test_goodput_counts_only_requests_meeting_every_slo(fake: FakeServer) -> None:

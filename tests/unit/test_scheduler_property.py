@@ -1,6 +1,6 @@
 """Property test of the block pool and scheduler with a fake model: no leak, no double free,
 the step budget holds, and every request finishes, under random arrivals, lengths, priorities
-and aborts."""
+and aborts; and the pool's KV events, replayed, always name exactly the blocks it caches."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from common.messages import Finish, SamplingParams
+from common.messages import AllBlocksCleared, BlockRemoved, BlockStored, Finish, SamplingParams
 from services.scheduler.kv_pool import BlockPool
 from services.scheduler.request import Request, Status
 from services.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -50,6 +50,8 @@ def test_random_workloads_never_leak_and_always_finish(
                         conservativeness=conservativeness),
         pool,
     )
+    pool.record_events()
+    replayed: set[bytes] = set()  # what a router that saw every event believes is cached
     rng = random.Random(0)
     pending = sorted(enumerate(reqs), key=lambda x: x[1][0])
     live: dict[int, Request] = {}
@@ -85,6 +87,8 @@ def test_random_workloads_never_leak_and_always_finish(
                 if r.num_generated >= r.params.max_new_tokens:
                     sched.finish(r, Finish(kind="length"))
         sched.check_integrity()  # books balance at every step boundary, not only when idle
+        _replay(replayed, pool.take_events())
+        assert replayed == set(pool.block_of)
         for i, r in list(live.items()):
             if r.is_finished:
                 done.add(i)
@@ -97,3 +101,19 @@ def test_random_workloads_never_leak_and_always_finish(
     assert pool.num_free + pool.num_cached == num_blocks
     pool.flush()
     assert pool.num_free == num_blocks
+    _replay(replayed, pool.take_events())
+    assert replayed == set()
+
+
+def _replay(blocks: set[bytes], events: list) -> None:
+    for event in events:
+        if isinstance(event, AllBlocksCleared):
+            blocks.clear()
+        elif isinstance(event, BlockRemoved):
+            assert blocks >= set(event.block_hashes), "removed a block never stored"
+            blocks.difference_update(event.block_hashes)
+        else:
+            assert isinstance(event, BlockStored)
+            assert event.parent_block_hash is None or event.parent_block_hash in blocks \
+                or event.parent_block_hash in event.block_hashes, "orphan block"
+            blocks.update(event.block_hashes)
