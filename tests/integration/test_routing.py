@@ -101,14 +101,11 @@ async def stack(nats_server, tiny_model_dir):
         await st.wait_for(lambda: set(st.scheduler_stats()) == set(SCHEDULERS),
                           "both schedulers up", timeout=240)
         await asyncio.to_thread(wait_healthy, st.url, 120, path="/v1/models")
-    except Exception:
+        yield st
+    finally:  # also when start-up failed: no process outlives the module
+        await st.watch.close()
         for p in st.procs.values():
-            print(f"--- {p.name} ({p.log_path})\n{p.logs()}")
-        raise
-    yield st
-    await st.watch.close()
-    for p in st.procs.values():
-        p.stop()
+            p.stop()
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
