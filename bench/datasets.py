@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,30 +65,24 @@ def load_jsonl(path: str | Path, num_prompts: int | None = None) -> list[SampleR
     Lines starting with `#` are comments (our workload files describe themselves there).
     """
     requests: list[SampleRequest] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            row = json.loads(line)
-            where = f"{path}:{lineno}"
-            if "max_tokens" not in row:
-                raise ValueError(f"{where}: missing max_tokens")
-            if "prompt_token_ids" in row:
-                ids = row["prompt_token_ids"]
-                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
-                    raise ValueError(f"{where}: prompt_token_ids must be a list of int")
-                req = SampleRequest(prompt=ids, prompt_len=len(ids), max_tokens=row["max_tokens"])
-            elif isinstance(row.get("prompt"), str):
-                text = row["prompt"]
-                req = SampleRequest(
-                    prompt=text, prompt_len=_estimate_tokens(text), max_tokens=row["max_tokens"]
-                )
-            else:
-                raise ValueError(f"{where}: needs prompt (str) or prompt_token_ids")
-            requests.append(req)
-            if num_prompts is not None and len(requests) >= num_prompts:
-                break
+    for where, row in _rows(path):
+        if "max_tokens" not in row:
+            raise ValueError(f"{where}: missing max_tokens")
+        if "prompt_token_ids" in row:
+            ids = row["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise ValueError(f"{where}: prompt_token_ids must be a list of int")
+            req = SampleRequest(prompt=ids, prompt_len=len(ids), max_tokens=row["max_tokens"])
+        elif isinstance(row.get("prompt"), str):
+            text = row["prompt"]
+            req = SampleRequest(
+                prompt=text, prompt_len=_estimate_tokens(text), max_tokens=row["max_tokens"]
+            )
+        else:
+            raise ValueError(f"{where}: needs prompt (str) or prompt_token_ids")
+        requests.append(req)
+        if num_prompts is not None and len(requests) >= num_prompts:
+            break
     return requests
 
 
@@ -105,28 +100,33 @@ def load_conversations(path: str | Path, num_conversations: int | None = None,
     system: list[int] | None = None
     requests: list[SampleRequest] = []
     conversations = 0
+    for where, row in _rows(path):
+        if "system_prompt_token_ids" in row:
+            system = list(row["system_prompt_token_ids"])
+            continue
+        if system is None or not row.get("turns"):
+            raise ValueError(f"{where}: expected the system prompt line first, then lines "
+                             "with turns")
+        history = list(system)
+        for turn in row["turns"]:
+            prompt = history + turn["user_token_ids"]
+            answer = turn["answer_token_ids"]
+            requests.append(SampleRequest(prompt, len(prompt), len(answer), conversations))
+            history = prompt + answer
+        conversations += 1
+        if num_conversations is not None and conversations >= num_conversations:
+            break
+    return requests
+
+
+def _rows(path: str | Path) -> Iterator[tuple[str, dict]]:
+    """(file:line, object) for each JSON line; `#` lines are comments (our workload files
+    describe themselves there)."""
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
             line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            row = json.loads(line)
-            if "system_prompt_token_ids" in row:
-                system = list(row["system_prompt_token_ids"])
-                continue
-            if system is None or not row.get("turns"):
-                raise ValueError(f"{path}:{lineno}: expected the system prompt line first, "
-                                 "then lines with turns")
-            history = list(system)
-            for turn in row["turns"]:
-                prompt = history + turn["user_token_ids"]
-                answer = turn["answer_token_ids"]
-                requests.append(SampleRequest(prompt, len(prompt), len(answer), conversations))
-                history = prompt + answer
-            conversations += 1
-            if num_conversations is not None and conversations >= num_conversations:
-                break
-    return requests
+            if line and not line.startswith("#"):
+                yield f"{path}:{lineno}", json.loads(line)
 
 
 def load_sharegpt(

@@ -16,13 +16,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 
 from bench.datasets import load_conversations, load_jsonl
-from bench.scale_out import stack
-from bench.serve import run_benchmark
+from bench.scale_out import add_stack_args, measure, stack
 
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = REPO / "bench" / "workloads" / "multiturn32x6.jsonl"
@@ -32,22 +30,12 @@ CONFIGS = [("2 schedulers, random", 2, "random"),
            ("1 scheduler", 1, "cache_aware")]
 
 
-async def _measure(url: str, requests, warmup) -> dict:
-    await run_benchmark(url, warmup, ignore_eos=True)  # first forwards: allocation, kernels
-    return await run_benchmark(url, requests, ignore_eos=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset-path", default=str(WORKLOAD))
     p.add_argument("--conversations", type=int, help="the first N (default: all)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    p.add_argument("--kv-tokens", type=int, default=32768, help="KV pool, all schedulers")
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--result-json")
-    p.add_argument("--server-flag", action="append", default=[],
-                   help="one more flag for every service (repeat)")
+    add_stack_args(p)
     args = p.parse_args(argv)
     requests = load_conversations(args.dataset_path, args.conversations)
     warmup = load_jsonl(WARMUP, 2)
@@ -58,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, n, method in CONFIGS if rnd % 2 == 0 else CONFIGS[::-1]:
             flags = ["--load-balance-method", method, *args.server_flag]
             with stack(n, args.threads, args.kv_tokens, flags) as url:
-                res = asyncio.run(_measure(url, requests, warmup))
+                res = asyncio.run(measure(url, requests, warmup))
             row = {"config": label, "round": rnd, **{k: res[k] for k in (
                 "duration", "completed", "failed", "total_input_tokens", "total_cached_tokens",
                 "cache_hit_rate", "request_throughput", "output_throughput",

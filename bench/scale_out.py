@@ -78,9 +78,19 @@ def _wait_schedulers(url: str, n: int, timeout: float) -> None:
     raise TimeoutError(f"{n} schedulers not up at {url} after {timeout}s")
 
 
-async def _measure(url: str, requests, warmup) -> dict:
+async def measure(url: str, requests, warmup) -> dict:
     await run_benchmark(url, warmup, ignore_eos=True)  # first forwards: allocation, kernels
     return await run_benchmark(url, requests, ignore_eos=True)
+
+
+def add_stack_args(p: argparse.ArgumentParser) -> None:
+    """The machine the configurations share, rounds, and where results go."""
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--kv-tokens", type=int, default=32768, help="KV pool, all schedulers")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--result-json")
+    p.add_argument("--server-flag", action="append", default=[],
+                   help="one more flag for every service (repeat)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,12 +98,7 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset-path", default=str(WORKLOAD))
     p.add_argument("--num-prompts", type=int, default=24)
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
-    p.add_argument("--kv-tokens", type=int, default=32768, help="KV pool, all schedulers")
-    p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--result-json")
-    p.add_argument("--server-flag", action="append", default=[],
-                   help="one more flag for every service (repeat)")
+    add_stack_args(p)
     args = p.parse_args(argv)
     requests = load_jsonl(args.dataset_path, args.num_prompts)
     warmup = load_jsonl(args.dataset_path, 4)
@@ -104,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):
         for label, n in configs if rnd % 2 == 0 else configs[::-1]:
             with stack(n, args.threads, args.kv_tokens, args.server_flag) as url:
-                res = asyncio.run(_measure(url, requests, warmup))
+                res = asyncio.run(measure(url, requests, warmup))
             per = max(1, args.threads // n)
             row = {"config": f"{label} x {per} thread{'s' if per > 1 else ''}", "round": rnd,
                    **{k: res[k] for k in (

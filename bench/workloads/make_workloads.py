@@ -80,21 +80,19 @@ def write_conversations(path: Path, rows: list[dict], what: str) -> str:
             output += len(turn["answer_token_ids"])
             history += len(turn["answer_token_ids"])
             requests += 1
-    header = (f"# {what}; {len(rows) - 1} conversations, {requests} requests, {prompt} prompt "
-              f"tokens, {output} output tokens (send with ignore_eos); made by "
-              f"make_workloads.py, seed {SEED}")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(header + "\n")
-        for row in rows:
-            f.write(json.dumps(row, separators=(",", ":")) + "\n")
-    return header
+    return _write(path, rows, f"{what}; {len(rows) - 1} conversations, {requests} requests, "
+                  f"{prompt} prompt tokens, {output} output tokens")
 
 
 def write(path: Path, rows: list[dict], what: str) -> str:
     prompt = sum(len(r["prompt_token_ids"]) for r in rows)
     output = sum(r["max_tokens"] for r in rows)
-    header = (f"# {what}; {len(rows)} requests, {prompt} prompt tokens, {output} output "
-              f"tokens (send with ignore_eos); made by make_workloads.py, seed {SEED}")
+    return _write(path, rows, f"{what}; {len(rows)} requests, {prompt} prompt tokens, {output} "
+                  "output tokens")
+
+
+def _write(path: Path, rows: list[dict], what: str) -> str:
+    header = f"# {what} (send with ignore_eos); made by make_workloads.py, seed {SEED}"
     with open(path, "w", encoding="utf-8") as f:
         f.write(header + "\n")
         for row in rows:

@@ -147,7 +147,7 @@ class TokenizerService(Service):
         if msg.scheduler_id:  # moved off a dead scheduler: the gateway picked this one
             await self._forward(self.subjects.scheduler_instance(msg.scheduler_id), out, headers)
             return
-        route = self.router.route(out.input_ids, time.monotonic())
+        route = self.router.route(out.input_ids, time.monotonic(), out.cache_salt)
         if route.scheduler_id is not None:
             out.predicted_cached_tokens = route.predicted_tokens
             try:

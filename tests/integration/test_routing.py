@@ -21,7 +21,7 @@ import pytest
 
 from common import messages
 from common.subjects import Subjects
-from tests.helpers import free_port, wait_healthy
+from tests.helpers import free_port, metric, wait_healthy
 from tests.integration.procs import ServiceProc, StatsWatch
 
 HEARTBEAT_TIMEOUT = 3.0
@@ -162,6 +162,22 @@ async def test_cache_aware_turns_find_their_history_cached(stack):
     CACHED["cache_aware"] = sum(cached for conv in results for _, cached in conv)
     await stack.wait_for(lambda: decided(stack, "cache_hit") >= CONVERSATIONS * (TURNS - 1),
                          "every later turn routed for its cache hit", timeout=10)
+    # /metrics: decisions by reason, and the router's prediction against what was found
+    await stack.idle()
+    deadline = asyncio.get_running_loop().time() + 10
+    async with aiohttp.ClientSession() as session:
+        while True:
+            async with session.get(stack.url + "/metrics") as r:
+                text = await r.text()
+            hits = metric(text, "tokenline:router_decisions_total", reason="cache_hit")
+            predicted = metric(text, "tokenline:router_predicted_cached_tokens_total")
+            found = metric(text, "tokenline:router_cached_tokens_total")
+            if hits >= CONVERSATIONS * (TURNS - 1) and predicted == found > 0 or \
+                    asyncio.get_running_loop().time() > deadline:
+                break
+            await asyncio.sleep(0.3)
+    assert hits >= CONVERSATIONS * (TURNS - 1)
+    assert predicted == found == CACHED["cache_aware"]  # nothing evicted in between: exact
     # both schedulers served conversations: the hits did not come from piling onto one
     assert all(s.prefix_cache_hits_total > 0 for s in stack.scheduler_stats().values())
 
