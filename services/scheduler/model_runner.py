@@ -148,6 +148,9 @@ class ModelRunner:
         kernels = cpu_kernels()
         group = num_heads // self.num_kv_heads
         self.backend.use_native = kernels is not None and kernels.supports(self.head_dim, group)
+        if kernels is not None and not self.backend.use_native:
+            log.info(f"the C++ decode kernel has no head_dim {self.head_dim} x group {group}: "
+                     "decode attention runs in torch (SDPA)", architecture=self.architecture)
         return "native" if self.backend.use_native else "sdpa"
 
     @property
@@ -164,8 +167,10 @@ class ModelRunner:
             budget = total * fraction - (total - free)
         else:
             budget = cpu_gib * GiB * fraction - self.weight_bytes - self.packed_bytes
-        # Activations of the largest step: a few hidden-size and vocab-size buffers per token.
-        activation = 4096 * (self.config["hidden_size"] * 16 + self.vocab_size) * 4
+        # Activations of the largest step: a few hidden-size buffers per token, and vocab-size
+        # ones per sampled row only (logits are computed for a step's last tokens; with
+        # Gemma's 262k vocabulary, 4096 rows of them would be 4 GiB).
+        activation = (4096 * self.config["hidden_size"] * 16 + 512 * self.vocab_size) * 4
         tokens = int((budget - activation) // self.kv_bytes_per_token)
         if tokens < self.page_size * 4:
             raise ValueError(

@@ -118,3 +118,21 @@ def test_greedy_tokens_equal_transformers_generate(family):
     for i, ref in enumerate(reference):
         assert tokens[str(i)] == ref, f"{name}: prompt {i} differs from transformers"
     engine.check_integrity()
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="this CPU has no native bfloat16 matmuls")
+def test_bfloat16_projections_stay_close_for_every_family(family):
+    """--dtype bfloat16 on CPU (bf16 projections, float32 elsewhere) runs every family and
+    stays within bf16's rounding of transformers' float32."""
+    name, path, hf = family
+    runner = ModelRunner(path, max_total_tokens=256, page_size=PAGE, device="cpu",
+                         dtype="bfloat16")
+    assert runner.linear_dtype == torch.bfloat16 and runner.attention_kernel == "native"
+    seq = [random.Random(3).randrange(100, 40000) for _ in range(30)]
+    ours = run_schedule(runner, [seq], [20], chunk=7, retract_at=-1)[0]
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq])).logits[0]
+    err = (ours - ref).abs().max().item()
+    assert 1e-4 < err < 0.05 * ref.abs().max().item(), f"{name}: {err}"
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
