@@ -14,10 +14,66 @@ try:
 except ImportError:  # pragma: no cover
     pass
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A C++ decode kernel that should build and does not is an error here (services started by the
+# tests inherit it), not a silent fall back to torch; a machine without a compiler still skips.
+os.environ.setdefault("TOKENLINE_CPU_KERNELS", "require")
+
+from collections import Counter  # noqa: E402
 
 import pytest  # noqa: E402
 
 from tests.helpers import make_tiny_llama  # noqa: E402
+
+# Calls into each fast path made in this process (engine tests, kernel tests), for the summary
+# line: a path that silently fell back to plain torch shows up as missing from it.
+FAST_PATH_CALLS: Counter[str] = Counter()
+
+
+def _count_fast_paths() -> None:
+    from services.scheduler.attention import triton_backend
+    from services.scheduler.attention.torch_backend import TorchBackend
+    from services.scheduler.models import llama
+
+    decode, linear = TorchBackend._decode, llama.onednn_linear
+    triton_forward = triton_backend.TritonBackend.forward
+
+    def counted_decode(self, *args, **kwargs):
+        if self.use_native:
+            FAST_PATH_CALLS["C++ decode kernel"] += 1
+        return decode(self, *args, **kwargs)
+
+    def counted_linear(x, packed, bias):
+        FAST_PATH_CALLS[f"oneDNN {str(packed.dtype).removeprefix('torch.')} linears"] += 1
+        return linear(x, packed, bias)
+
+    def counted_triton(self, q, *args, **kwargs):
+        where = "compiled on CUDA" if q.is_cuda else "interpreter"
+        FAST_PATH_CALLS[f"Triton attention ({where})"] += 1
+        return triton_forward(self, q, *args, **kwargs)
+
+    TorchBackend._decode = counted_decode
+    llama.onednn_linear = counted_linear
+    triton_backend.TritonBackend.forward = counted_triton
+
+
+def pytest_configure(config) -> None:
+    _count_fast_paths()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line CI shows: which fast paths this run exercised, and why the kernel is absent."""
+    from services.scheduler.attention import torch_backend
+
+    native = torch_backend._native
+    if native is None:
+        kernel = "not asked for in this process"
+    elif native.module is not None:
+        kernel = "built"
+    else:
+        kernel = native.missing or f"BUILD FAILED: {native.error}"
+    calls = ", ".join(f"{name} x{n}" for name, n in sorted(FAST_PATH_CALLS.items())) or "none"
+    terminalreporter.write_line(
+        f"fast paths exercised in-process: {calls} (C++ decode kernel: {kernel})")
 
 
 @pytest.fixture(scope="session")

@@ -61,9 +61,7 @@ def test_burst_gets_fast_503s_and_the_accepted_complete(stack):
         assert set(o.error) == {"message", "type", "param", "code"}, o
         assert o.error["code"] == "queue_full" and "--max-queued-requests" in o.error["message"]
     # turned away at once, not after waiting for a slot
-    slowest_no = max(o.elapsed for o in rejected)
-    assert slowest_no < 5.0, slowest_no
-    assert slowest_no < max(o.elapsed for o in accepted), outs
+    assert max(o.elapsed for o in rejected) < max(o.elapsed for o in accepted), outs
     ok = requests.post(stack.url + "/v1/completions", timeout=60,
                        json={"prompt": "hi", "max_tokens": 2})
     assert ok.status_code == 200, ok.text  # and once the burst is over, all is well

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import nats
 import nats.errors
@@ -24,10 +23,9 @@ async def _bus(url: str, name: str, **auth) -> Bus:
 def test_nobody_listening_fails_at_once_and_a_listener_signs_the_receipt(nats_server):
     async def main() -> None:
         sender = await _bus(nats_server.url, "gateway:g-1")
-        t0 = time.monotonic()
+        # NoResponders, not the timeout's error: NATS says so at once
         with pytest.raises(nats.errors.NoRespondersError):
             await sender.publish_acked("tl.tokenizer", AbortReq(rid="r"), timeout=5)
-        assert time.monotonic() - t0 < 1.0  # not the timeout: NATS says so at once
 
         got: list = []
         receiver = await _bus(nats_server.url, "tokenizer:t-7")

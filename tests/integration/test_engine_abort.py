@@ -23,6 +23,8 @@ def test_abort_running_and_waiting_requests_frees_their_blocks(tiny_model_dir):
     for _ in range(5):
         engine.step()
     assert engine.pool.num_used > 0 and len(engine.scheduler.waiting) == 1
+    a_blocks = list(engine.requests["a"].block_table)
+    assert a_blocks
     engine.abort(AbortReq(rid="a"))
     engine.abort(AbortReq(rid="c"))  # still waiting
     outs = engine.step()
@@ -30,8 +32,13 @@ def test_abort_running_and_waiting_requests_frees_their_blocks(tiny_model_dir):
     assert ended == {"a": "abort", "c": "abort"}
     assert {r.rid for r in engine.scheduler.running} == {"b"}
     assert len(engine.requests) == 1
+    # at this step boundary a's blocks are back: only b's are in use
+    assert all(engine.pool.ref_cnt[blk] == 0 for blk in a_blocks)
+    assert engine.pool.num_used == len(engine.requests["b"].block_table)
+    engine.check_integrity()
     engine.abort(AbortReq(abort_all=True))
-    engine.step()
+    outs = engine.step()
+    assert [(o.rid, o.finish.kind) for o in outs if o.finish] == [("b", "abort")]
     assert engine.pool.num_used == 0 and not engine.requests
     engine.check_integrity()
     assert engine.num_aborted_total == 3
@@ -46,7 +53,7 @@ def test_abort_that_arrives_first_wins_and_allocates_nothing(tiny_model_dir):
     engine.step()  # the tokenizer is still busy: the abort is remembered
     engine.submit(_req("early"))
     outs = engine.step()
-    assert [o.finish.kind for o in outs if o.rid == "early"] in ([], ["abort"])
+    assert [o.finish.kind for o in outs if o.rid == "early"] == ["abort"]
     assert allocations == [] and not engine.scheduler.has_work()
     assert not engine.requests
     engine.submit(_req("later"))

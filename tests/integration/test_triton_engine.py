@@ -12,9 +12,12 @@ from common.messages import SamplingParams, TokenizedReq
 from services.scheduler.engine import EngineCore
 from tests.helpers import engine_args, run_engine
 
+# compiled kernels on a GPU; Triton's interpreter on CPU tensors otherwise (tests/conftest.py
+# sets TRITON_INTERPRET=1 where there is no CUDA)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1",
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="no CUDA, and TRITON_INTERPRET is not 1",
 )
 
 
@@ -27,7 +30,7 @@ def _reqs():
 
 
 def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_model_dir):
-    flags = dict(page_size=16, chunked_prefill_size=12, max_total_tokens=1024, device="cpu",
+    flags = dict(page_size=16, chunked_prefill_size=12, max_total_tokens=1024, device=DEVICE,
                  dtype="float32")
     hit = TokenizedReq(rid="hit", gateway_id="g", input_ids=list(range(2000, 2030)) + [9, 9],
                        params=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True))
@@ -35,6 +38,7 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_model_dir):
     for backend in ("torch", "triton"):
         engine = EngineCore(engine_args(tiny_model_dir, attention_backend=backend, **flags))
         assert engine.runner.backend.name == backend
+        assert engine.runner.kv_caches[0][0].device.type == DEVICE
         first, _, _ = run_engine(engine, _reqs())
         second, _, _ = run_engine(engine, [hit])  # reads 16 cached tokens of t1 from the pool
         assert engine.scheduler.prefix_hits_total == 16

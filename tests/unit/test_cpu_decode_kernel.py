@@ -5,16 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.scheduler.attention import torch_backend
 from services.scheduler.attention.base import AttentionMetadata
-from services.scheduler.attention.torch_backend import TorchBackend, cpu_kernels
+from services.scheduler.attention.torch_backend import TorchBackend, native_kernels
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    k = cpu_kernels()
-    if k is None:
-        pytest.skip("no C++ toolchain here: the torch path is all there is")
-    return k
+    """The built kernel; a skip only where the machine cannot build it at all, naming why."""
+    native = native_kernels()
+    if native.missing:
+        pytest.skip(f"{native.missing}: the torch path is all there is")
+    assert native.module is not None, f"the CPU decode kernel should build here: {native.error}"
+    return native.module
 
 
 def random_step(spans: list[tuple[int, int]], page: int, hq: int, hkv: int, d: int, seed: int):
@@ -67,3 +70,29 @@ def test_native_decode_matches_the_torch_path(kernels, page, hq, hkv, d, mixed):
 def test_kernel_says_which_shapes_it_has(kernels):
     assert kernels.supports(64, 3) and kernels.supports(128, 8)
     assert not kernels.supports(72, 3) and not kernels.supports(64, 9)
+
+
+def test_model_runner_decodes_through_the_kernel(kernels, smol_path):
+    from services.scheduler.model_runner import ModelRunner
+
+    runner = ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype="float32")
+    assert runner.attention_kernel == "native" and runner.backend.use_native
+
+
+def test_a_kernel_that_fails_to_build_is_an_error_not_a_fallback(tmp_path, monkeypatch):
+    """With a compiler at hand, a build error raises under TOKENLINE_CPU_KERNELS=require (what
+    the suite runs with) and is recorded, not lost, when users fall back to torch."""
+    if native_kernels().missing:
+        pytest.skip(f"{native_kernels().missing}: nothing is built here")
+    broken = tmp_path / "paged_decode_cpu.cpp"
+    broken.write_text("#error a compile error, on purpose\n")
+    monkeypatch.setattr(torch_backend, "_SOURCE", broken)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
+    monkeypatch.setenv("TOKENLINE_CPU_KERNELS", "require")
+    with pytest.raises(RuntimeError, match="did not build"):
+        torch_backend._build()
+    monkeypatch.setenv("TOKENLINE_CPU_KERNELS", "1")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build-again"))
+    native = torch_backend._build()
+    assert native.module is None and native.missing is None
+    assert "compile error, on purpose" in native.error

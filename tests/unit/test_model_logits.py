@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -60,11 +63,25 @@ def test_smollm2_logits_match_transformers(smol_path):
     assert (ours - ref).abs().max().item() < 1e-4
 
 
-@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
-                    reason="this CPU has no native bfloat16 matmuls")
-def test_bfloat16_on_cpu_runs_the_projections_in_bf16_and_stays_close(smol_path):
+def _missing_bf16_feature() -> str | None:
+    """What this CPU lacks for oneDNN's bfloat16 matmuls (torch asks for AVX512 BW, VL and DQ
+    on x86), read from the CPU itself rather than from the code under test; None if nothing."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.exists():
+        ok = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # no flags to read: torch's word
+        return None if ok else f"bfloat16 matmuls on this {platform.machine()} CPU"
+    flags = set(next((line for line in cpuinfo.read_text().splitlines()
+                      if line.startswith("flags")), "").split())
+    missing = sorted({"avx512bw", "avx512vl", "avx512dq"} - flags)
+    return ", ".join(missing) or None
+
+
+@pytest.mark.skipif(_missing_bf16_feature() is not None,
+                    reason=f"this CPU lacks {_missing_bf16_feature()}")
+def test_bfloat16_on_cpu_runs_the_projections_in_bf16_and_stays_close(smol_path, monkeypatch):
     """--dtype bfloat16 on CPU: bf16 projection weights and matmuls, float32 everything else
     (KV cache included); the logits stay within bf16's rounding of transformers' float32."""
+    monkeypatch.delenv("TOKENLINE_ONEDNN", raising=False)
     runner = ModelRunner(smol_path, max_total_tokens=512, device="cpu", dtype="bfloat16")
     assert runner.linear_dtype == torch.bfloat16 and runner.dtype == torch.float32
     assert runner.kv_caches[0][0].dtype == torch.float32
@@ -79,13 +96,15 @@ def test_bfloat16_on_cpu_runs_the_projections_in_bf16_and_stays_close(smol_path)
     assert agree >= 0.9
 
 
-def test_cpu_projections_keep_only_their_onednn_copies(tiny_model_dir):
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                    reason="this torch build has no oneDNN (torch.backends.mkldnn)")
+def test_cpu_projections_keep_only_their_onednn_copies(tiny_model_dir, monkeypatch):
     """Packing must not double the memory the projections hold: their plain weights go."""
     from services.scheduler.models.layers import Linear
 
+    monkeypatch.delenv("TOKENLINE_ONEDNN", raising=False)
     runner = ModelRunner(tiny_model_dir, max_total_tokens=512, device="cpu", dtype="float32")
-    if runner.linear_backend != "onednn":
-        pytest.skip("oneDNN is off here")
+    assert runner.linear_backend == "onednn"
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.weight is None and m.packed is not None for m in linears)
     embed = runner.model.embed_tokens.weight

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
@@ -55,11 +54,9 @@ def test_default_shape_is_smollm2_135m() -> None:
     assert ModelShape.from_config(config) == shape  # head_dim derived as 576 / 9
 
 
-def test_measure_machine_is_positive_and_quick() -> None:
-    t0 = time.perf_counter()
+def test_measure_machine_is_positive() -> None:
     flops, bandwidth = measure_machine(matmul_size=128, bandwidth_mib=4, repeats=2, threads=1)
     assert flops > 1e6 and bandwidth > 1e6
-    assert time.perf_counter() - t0 < 5
 
 
 def test_cli_prints_table_and_writes_json(tmp_path, capsys) -> None:
