@@ -70,7 +70,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     elif native.module is not None:
         kernel = "built"
     else:
-        kernel = native.missing or f"BUILD FAILED: {native.error}"
+        kernel = native.missing or f"BUILD FAILED: {native.error[:300]}"
     calls = ", ".join(f"{name} x{n}" for name, n in sorted(FAST_PATH_CALLS.items())) or "none"
     terminalreporter.write_line(
         f"fast paths exercised in-process: {calls} (C++ decode kernel: {kernel})")

@@ -32,6 +32,7 @@ class BlockPool:
         # What entered and left the cache since the last `take_events`, for routers elsewhere;
         # None: nobody listens, keep nothing.
         self.events: list[KvEvent] | None = None
+        self.num_evictions_total = 0  # cached blocks handed out again, their prefix forgotten
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -65,6 +66,7 @@ class BlockPool:
             if h is not None:
                 del self.block_of[h]
                 self._removed(h)
+                self.num_evictions_total += 1
             self.ref_cnt[block] = 1
             out.append(block)
         return out

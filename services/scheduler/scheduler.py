@@ -84,25 +84,31 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         prefill_budget = self.config.max_prefill_tokens
-        decoding = [r for r in self.running if r.num_to_compute == 1]
-        prefilling = [r for r in self.running if r.num_to_compute > 1]
+        decoding = [r for r in self.running if not self._is_prefill(r)]
+        prefilling = [r for r in self.running if self._is_prefill(r)]
         for req in decoding + prefilling:
             if req.status is not Status.RUNNING:
                 continue  # retracted as a victim earlier in this loop
-            n = 1 if req.num_to_compute == 1 else min(
-                req.num_to_compute, self.config.chunked_prefill_size, prefill_budget
-            )
+            # a prompt's last token is a 1-token prefill chunk, and spends the budget like one
+            prefill = self._is_prefill(req)
+            n = min(req.num_to_compute, self.config.chunked_prefill_size,
+                    prefill_budget) if prefill else 1
             if n <= 0:
                 continue
             if not self._reserve_blocks(req, n, batch):
                 continue
-            if n > 1 or req.num_computed < len(req.prompt_ids):
+            if prefill:
                 prefill_budget -= n
             batch.reqs.append(req)
             batch.num_new.append(n)
         self._admit(batch, prefill_budget)
         self._update_ratio(batch)
         return batch
+
+    @staticmethod
+    def _is_prefill(req: Request) -> bool:
+        """More than one token to compute, or any prompt token: not a plain decode."""
+        return req.num_to_compute > 1 or req.num_computed < len(req.prompt_ids)
 
     def _reserve_blocks(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
         """Get blocks for `n` more tokens of a running request, retracting others if needed."""

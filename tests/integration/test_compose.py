@@ -11,11 +11,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 import tomllib
 import urllib.request
 from collections.abc import Mapping
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -268,10 +271,41 @@ def test_compose_healthchecks_pass_against_the_running_services(compose, compose
         assert done.returncode == 0, f"{name}: {done.stderr}\n{procs[name].logs()}"
 
 
-def test_compose_healthcheck_fails_when_heartbeats_stop(compose, compose_stack, tmp_path):
+def test_compose_healthcheck_fails_before_the_first_heartbeat(compose, compose_stack, tmp_path):
     _, _, envs = compose_stack
     test = compose["services"]["tokenizer"]["healthcheck"]["test"]
     cmd = [sys.executable if c == "python" else c for c in test[1:]]
     env = {**envs["tokenizer"], "TOKENLINE_HEALTH_FILE": str(tmp_path / "never-written")}
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=30)
     assert done.returncode == 1 and "no heartbeat yet" in done.stderr
+
+
+def test_compose_healthcheck_fails_when_heartbeats_stop(compose, compose_stack):
+    """A hung service (SIGSTOP: alive, silent) leaves a stale health file; its check fails and
+    says how old the last heartbeat is, and passes again once the service runs again."""
+    _, procs, envs = compose_stack
+    env = envs["tokenizer"]
+    health_file = Path(env["TOKENLINE_HEALTH_FILE"])
+    test = compose["services"]["tokenizer"]["healthcheck"]["test"]
+    cmd = [sys.executable if c == "python" else c for c in test[1:]]
+    limit = max(float(env["TOKENLINE_HEARTBEAT_TIMEOUT"]),
+                2 * float(env["TOKENLINE_STATS_INTERVAL"]))
+    procs["tokenizer"].proc.send_signal(signal.SIGSTOP)
+    try:
+        while (age := time.time() - health_file.stat().st_mtime) <= limit:
+            time.sleep(limit - age + 0.2)
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=30)
+        assert done.returncode == 1, done.stderr
+        m = re.search(r"last heartbeat ([\d.]+)s ago \(limit ([\d.]+)s\)", done.stderr)
+        assert m, done.stderr
+        assert float(m.group(2)) == limit and float(m.group(1)) >= round(age, 1) > limit
+    finally:
+        procs["tokenizer"].proc.send_signal(signal.SIGCONT)
+    for _ in range(120):  # liveness: heartbeats resume, and so does the check's verdict
+        done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=30)
+        if done.returncode == 0:
+            break
+        time.sleep(0.5)
+    assert done.returncode == 0, done.stderr

@@ -60,22 +60,38 @@ def test_five_turn_chat_is_identical_with_and_without_the_cache(smol_path):
 
 
 def test_full_pool_of_cached_blocks_is_evicted_for_new_requests(tiny_model_dir):
+    """Rounds that need blocks only eviction can give, each re-sending a prompt of the last
+    round (still cached) and one of the first round (evicted, its blocks now holding other
+    tokens): every answer equals a cache-off run's, so no stale prefix serves wrong KV."""
     engine = EngineCore(engine_args(tiny_model_dir, max_total_tokens=256, page_size=8,
                                     debug_check_integrity=True))
+    reference = EngineCore(engine_args(tiny_model_dir, disable_prefix_cache=True))
     rng = random.Random(0)
+    rounds: list[list[list[int]]] = []
 
-    def batch(tag, n=4):
-        return [TokenizedReq(rid=f"{tag}{i}", gateway_id="g",
-                             input_ids=[rng.randrange(1000, 40000) for _ in range(40)],
+    def batch(tag: str) -> list[TokenizedReq]:
+        again = [rounds[-1][-1]] if rounds else []  # the last round's: still cached
+        if len(rounds) > 1:  # one of the first round's: evicted long ago
+            again.append(rounds[0][len(rounds) - 1])
+        prompts = again + [[rng.randrange(1000, 40000) for _ in range(40)]
+                           for _ in range(4 - len(again))]
+        rounds.append(prompts)
+        return [TokenizedReq(rid=f"{tag}{i}", gateway_id="g", input_ids=p,
                              params=SamplingParams(max_new_tokens=16, temperature=0.0,
-                                                   ignore_eos=True)) for i in range(n)]
+                                                   ignore_eos=True))
+                for i, p in enumerate(prompts)]
 
     run_engine(engine, batch("first"))
     assert engine.pool.num_cached > 0 and engine.pool.num_used == 0
-    for round_ in range(3):  # every round needs blocks that only eviction can give
-        tokens, finish, _ = run_engine(engine, batch(f"r{round_}"), max_steps=500)
+    for round_ in range(4):
+        evicted, hits = engine.pool.num_evictions_total, engine.scheduler.prefix_hits_total
+        reqs = batch(f"r{round_}")
+        tokens, finish, _ = run_engine(engine, reqs, max_steps=500)
+        assert engine.pool.num_evictions_total > evicted  # it did need the cached blocks
+        assert engine.scheduler.prefix_hits_total > hits  # and the re-sent prompt was served
         assert all(f.kind == "length" for f in finish.values())
-        assert all(len(t) == 16 for t in tokens.values())
+        want, _, _ = run_engine(reference, reqs)
+        assert tokens == want, round_
     engine.check_integrity()
     assert engine.pool.num_free + engine.pool.num_cached == engine.pool.num_blocks
 

@@ -3,7 +3,9 @@ does not depend on its neighbours, on chunking or on retraction."""
 
 from __future__ import annotations
 
+import json
 import random
+import shutil
 
 import torch
 
@@ -55,14 +57,37 @@ def _crowd(n=31, seed=0):
                                                ignore_eos=True)) for i in range(n)]
 
 
+def _run_watching_retractions(engine: EngineCore, reqs: list[TokenizedReq], rid: str):
+    """Tokens per request, `rid`'s own retraction count (from its outputs) and how many of its
+    tokens had been streamed when each of its retractions happened."""
+    for r in reqs:
+        engine.submit(r)
+    tokens: dict[str, list[int]] = {r.rid: [] for r in reqs}
+    retractions, streamed_at = 0, []
+    while engine.has_work():
+        outs = engine.step()
+        if rid in engine.last_step.retracted_rids:
+            streamed_at.append(len(tokens[rid]))
+        for o in outs:
+            tokens[o.rid] += o.token_ids
+            if o.rid == rid:
+                retractions = o.retractions
+    return tokens, retractions, streamed_at
+
+
 def test_seeded_request_is_identical_alone_in_a_crowd_and_through_retraction(tiny_model_dir):
     alone, _, _ = run_engine(EngineCore(engine_args(tiny_model_dir)), [_seeded()])
     crowd_engine = EngineCore(engine_args(tiny_model_dir, chunked_prefill_size=7))
     crowd, _, _ = run_engine(crowd_engine, _crowd() + [_seeded()])
+    # a tight pool, and the seeded request is the first victim (lowest priority)
     tight = EngineCore(engine_args(tiny_model_dir, max_total_tokens=480, page_size=8,
-                                   schedule_conservativeness=0.0, retraction_policy="length"))
-    retracted, _, _ = run_engine(tight, _crowd() + [_seeded()])
-    assert tight.scheduler.num_retractions_total > 0
+                                   schedule_conservativeness=0.0, retraction_policy="priority"))
+    victim = _seeded()
+    victim.priority = -1
+    retracted, retractions, streamed_at = _run_watching_retractions(
+        tight, _crowd() + [victim], "seeded")
+    assert retractions >= 1 and len(streamed_at) == retractions
+    assert max(streamed_at) > 0  # retracted mid-stream, not only before its first token
     assert len(alone["seeded"]) == 48
     assert crowd["seeded"] == alone["seeded"]
     assert retracted["seeded"] == alone["seeded"]
@@ -81,20 +106,39 @@ def test_seeded_request_resumed_from_its_streamed_tokens_continues_identically(t
     assert full["seeded"][:20] + rest["seeded"] == full["seeded"]
 
 
-def test_min_tokens_holds_off_eos_and_stop_token_ids(tiny_model_dir):
-    engine = EngineCore(engine_args(tiny_model_dir))
-    first, _, _ = run_engine(engine, [TokenizedReq(
-        rid="probe", gateway_id="g", input_ids=[5, 6, 7],
-        params=SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True))])
-    stop_tok = first["probe"][2]
-    req = TokenizedReq(rid="m", gateway_id="g", input_ids=[5, 6, 7],
-                       params=SamplingParams(max_new_tokens=10, temperature=0.0,
-                                             stop_token_ids=[stop_tok]))
-    early, fin, _ = run_engine(engine, [req])
-    assert fin["m"].kind == "stop" and fin["m"].matched == stop_tok
-    assert early["m"][-1] == stop_tok and len(early["m"]) <= 3
-    req2 = TokenizedReq(rid="m2", gateway_id="g", input_ids=[5, 6, 7],
-                        params=SamplingParams(max_new_tokens=10, temperature=0.0,
-                                              stop_token_ids=[stop_tok], min_new_tokens=6))
-    late, _, _ = run_engine(engine, [req2])
-    assert len(late["m2"]) >= 6 and stop_tok not in late["m2"][:5]
+MIN_NEW = 6
+
+
+def _greedy(rid: str, **params) -> TokenizedReq:
+    return TokenizedReq(rid=rid, gateway_id="g", input_ids=[5, 6, 7],
+                        params=SamplingParams(max_new_tokens=12, temperature=0.0, **params))
+
+
+def test_min_tokens_holds_off_eos_and_stop_token_ids(tiny_model_dir, tmp_path):
+    probe, _, _ = run_engine(EngineCore(engine_args(tiny_model_dir)),
+                             [_greedy("probe", ignore_eos=True)])
+    free = probe["probe"]
+    # two tokens greedy decoding says early: one becomes the model's EOS, one a stop token id
+    eos_tok, stop_tok = free[1], next(t for t in free[2:] if t != free[1])
+    assert free.index(stop_tok) < MIN_NEW
+    model = tmp_path / "eos-model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [eos_tok]}))
+    engine = EngineCore(engine_args(model))
+    assert eos_tok in engine.eos_ids
+
+    early, fin, _ = run_engine(engine, [_greedy("eos"), _greedy("stop", ignore_eos=True,
+                                                                  stop_token_ids=[stop_tok])])
+    assert early["eos"] == free[:2] and fin["eos"].kind == "stop" and fin["eos"].matched is None
+    at = free.index(stop_tok) + 1
+    assert early["stop"] == free[:at] and fin["stop"].matched == stop_tok
+
+    held, fin, _ = run_engine(engine, [
+        _greedy("eos", min_new_tokens=MIN_NEW),
+        _greedy("stop", ignore_eos=True, stop_token_ids=[stop_tok], min_new_tokens=MIN_NEW),
+        _greedy("both", stop_token_ids=[stop_tok], min_new_tokens=MIN_NEW)])
+    assert eos_tok not in held["eos"][:MIN_NEW] and stop_tok not in held["stop"][:MIN_NEW]
+    assert not {eos_tok, stop_tok} & set(held["both"][:MIN_NEW])
+    for rid, out in held.items():  # past the hold-off they stop on the same tokens as ever
+        assert len(out) > MIN_NEW, rid
+        assert fin[rid].kind == "length" or out[-1] in (eos_tok, stop_tok), rid

@@ -29,8 +29,9 @@ request_st = st.tuples(
     reqs=st.lists(request_st, min_size=1, max_size=24),
     num_blocks=st.integers(8, 40),
     page_size=st.sampled_from([1, 4, 16]),
-    chunk=st.integers(1, 64),
-    budget=st.integers(1, 128),
+    # small chunks and budgets often: where a 1-token chunk and the budget's edge meet
+    chunk=st.one_of(st.integers(1, 4), st.integers(1, 64)),
+    budget=st.one_of(st.integers(1, 8), st.integers(1, 128)),
     max_running=st.integers(1, 16),
     policy=st.sampled_from(["fcfs", "priority", "lpm"]),
     retraction=st.sampled_from(["length", "priority"]),

@@ -270,12 +270,13 @@ def native_kernels() -> NativeKernels:
     global _native
     if _native is None:
         _native = _build()
+    if _native.error and os.environ.get("TOKENLINE_CPU_KERNELS") == "require":
+        raise RuntimeError(f"the CPU decode kernel did not build: {_native.error}")
     return _native
 
 
 def _build() -> NativeKernels:
-    setting = os.environ.get("TOKENLINE_CPU_KERNELS", "1")
-    if setting == "0":
+    if os.environ.get("TOKENLINE_CPU_KERNELS", "1") == "0":
         return NativeKernels(missing="switched off (TOKENLINE_CPU_KERNELS=0)")
     from torch.utils import cpp_extension
 
@@ -309,8 +310,6 @@ def _build() -> NativeKernels:
         module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=cflags,
                                     extra_ldflags=["-fopenmp"])
     except Exception as exc:  # noqa: BLE001 - a failed build: the torch path, and say why
-        if setting == "require":
-            raise RuntimeError(f"the CPU decode kernel did not build: {exc}") from exc
         log.warning(f"could not build the CPU decode kernel, using plain torch: {exc}")
         return NativeKernels(error=f"{type(exc).__name__}: {exc}")
     return NativeKernels(module=module)
