@@ -30,30 +30,28 @@ FAST_PATH_CALLS: Counter[str] = Counter()
 
 
 def _count_fast_paths() -> None:
+    from services.scheduler import quant
     from services.scheduler.attention import triton_backend
     from services.scheduler.attention.torch_backend import TorchBackend
-    from services.scheduler.models import llama
+    from services.scheduler.models import layers
 
-    decode, linear = TorchBackend._decode, llama.onednn_linear
-    triton_forward = triton_backend.TritonBackend.forward
+    def count(name: str, fn):
+        def counted(*args, **kwargs):
+            FAST_PATH_CALLS[name(*args)] += 1
+            return fn(*args, **kwargs)
+        return counted
 
-    def counted_decode(self, *args, **kwargs):
-        if self.use_native:
-            FAST_PATH_CALLS["C++ decode kernel"] += 1
-        return decode(self, *args, **kwargs)
-
-    def counted_linear(x, packed, bias):
-        FAST_PATH_CALLS[f"oneDNN {str(packed.dtype).removeprefix('torch.')} linears"] += 1
-        return linear(x, packed, bias)
-
-    def counted_triton(self, q, *args, **kwargs):
-        where = "compiled on CUDA" if q.is_cuda else "interpreter"
-        FAST_PATH_CALLS[f"Triton attention ({where})"] += 1
-        return triton_forward(self, q, *args, **kwargs)
-
-    TorchBackend._decode = counted_decode
-    llama.onednn_linear = counted_linear
-    triton_backend.TritonBackend.forward = counted_triton
+    TorchBackend._decode = count(
+        lambda self, *_: "C++ decode kernel" if self.use_native else "torch decode (the fallback)",
+        TorchBackend._decode)
+    layers.onednn_linear = count(
+        lambda x, packed, *_: f"oneDNN {str(packed.dtype).removeprefix('torch.')} linears",
+        layers.onednn_linear)
+    quant.Int8Linear.matmul = count(lambda *_: "int8 linears", quant.Int8Linear.matmul)
+    quant.Int4Linear.matmul = count(lambda *_: "int4 linears", quant.Int4Linear.matmul)
+    triton_backend.TritonBackend.forward = count(
+        lambda self, q, *_: f"Triton attention ({'CUDA' if q.is_cuda else 'interpreter'})",
+        triton_backend.TritonBackend.forward)
 
 
 def pytest_configure(config) -> None:
