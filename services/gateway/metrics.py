@@ -56,6 +56,8 @@ class _SchedulerCollector:
                                  "requests found cached there (over the predicted: accuracy)."),
     }
 
+    SETUP = ("quantization", "dtype", "linear_dtype", "device")  # scheduler_info's labels
+
     def __init__(self, model_name: str, gateway: GatewayService) -> None:
         self.model_name = model_name
         self.gateway = gateway
@@ -98,6 +100,16 @@ class _SchedulerCollector:
             inflight.add_metric([self.model_name, svc],
                                 sum(s.in_flight for s in gw.alive(svc)))
         yield inflight
+        # an info metric, like vLLM's cache_config_info: value 1, the facts in the labels
+        setup = GaugeMetricFamily(P + "scheduler_info", "Each live scheduler's model setup.",
+                                  labels=["model_name", "instance_id", *self.SETUP])
+        for s in scheds:
+            info = s.info or {}
+            setup.add_metric([self.model_name, s.instance_id,
+                              info.get("quantization", {}).get("mode", "none"),
+                              info.get("dtype", ""), info.get("linear_dtype", ""),
+                              info.get("device", "")], 1)
+        yield setup
 
 
 class Metrics:

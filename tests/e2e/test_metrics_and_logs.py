@@ -170,6 +170,13 @@ def test_gauges_return_to_idle(run):
 
 
 
+def test_scheduler_info_names_the_live_schedulers_setup(run):
+    (setup,) = [s for fam in text_string_to_metric_families(run["after"])
+                if fam.name == "tokenline:scheduler_info" for s in fam.samples]
+    assert setup.value == 1 and setup.labels["instance_id"].startswith("scheduler")
+    assert setup.labels["quantization"] == "none"  # the stack runs without --quantization
+    assert setup.labels["device"] == "cpu" and setup.labels["dtype"] == "float32"
+
 def test_every_dashboard_query_finds_served_series(run):
     """Each selector of each panel (names taken from the parsed PromQL) matches samples that
     /metrics serves, with every label the panel filters or groups by."""
