@@ -74,6 +74,8 @@ def test_dashboard_draws_what_an_operator_watches():
         "kv_cache_usage_perc", "num_retractions_total", "prefix_cache_hits_total",
         "prefix_cache_queries_total", "prompt_tokens_total", "generation_tokens_total",
         "scheduler_info",  # the quantization in use
+        "router_decisions_total", "router_predicted_cached_tokens_total",
+        "router_cached_tokens_total",
     )} <= names
     for latency in LATENCIES:
         quantiles = {float(m.group(1)) for e in exprs if f"tokenline:{latency}_bucket" in e
