@@ -82,7 +82,8 @@ async def run():
     """The scripted run, once: /metrics before and after, the responses, the stack's logs."""
     stack = await asyncio.get_running_loop().run_in_executor(None, Stack(*FLAGS).start)
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=180)) as http:
+        # a hang guard only: on a loaded shared machine the pair below takes minutes
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=420)) as http:
             before = await _metrics(http, stack.url)
             done = [await _complete(http, stack.url, {"prompt": "Hello, my name is",
                                                       "max_tokens": 8, "temperature": 0})]
