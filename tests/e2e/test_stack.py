@@ -65,8 +65,16 @@ async def test_streamed_and_unstreamed_text_are_equal(stack):
     assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
     finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finals[-1] == whole["choices"][0]["finish_reason"]
-    assert chunks[-1]["usage"] == whole["usage"] | {"prompt_tokens_details":
-                                                    chunks[-1]["usage"]["prompt_tokens_details"]}
+    usage = chunks[-1]["usage"]
+    for field in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert usage[field] == whole["usage"][field], field
+    # the stream re-sent the same prompt: every full block of it but the last token's is cached
+    async with aiohttp.ClientSession() as http:
+        async with http.get(f"{stack.url}/get_server_info") as r:
+            page = (await r.json())["kv_cache"]["page_size"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (usage["prompt_tokens"] - 1) // page * page > 0
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] <= cached
 
 
 async def test_completions_stream_and_not(stack):
@@ -165,17 +173,22 @@ async def test_stop_string_spanning_tokens_never_reaches_the_client(stack, smol_
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
-async def test_n_choices_count_the_prompt_once(stack):
+async def test_n_choices_count_the_prompt_once_and_differ_reproducibly(stack):
     body = dict(messages=[{"role": "user", "content": "Say a random word."}], temperature=1.0,
                 max_tokens=8, n=4, seed=7)
     out = await _chat(stack.url, **body)
     assert sorted(c["index"] for c in out["choices"]) == [0, 1, 2, 3]
+    texts = [c["message"]["content"] for c in sorted(out["choices"], key=lambda c: c["index"])]
+    assert len(set(texts)) == 4, texts  # distinct choices, not one sample four times
     single = await _chat(stack.url, **{**body, "n": 1})
     assert out["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]
     assert out["usage"]["completion_tokens"] >= 4
     again = await _chat(stack.url, **body)
-    assert [c["message"]["content"] for c in again["choices"]] == [
-        c["message"]["content"] for c in out["choices"]]  # seeded: reproducible
+    assert [c["message"]["content"] for c in sorted(again["choices"],
+                                                     key=lambda c: c["index"])] == texts
+    other = await _chat(stack.url, **{**body, "seed": 8})
+    assert [c["message"]["content"] for c in sorted(other["choices"],
+                                                     key=lambda c: c["index"])] != texts
 
 
 async def test_resent_conversation_reports_cached_tokens(stack):
@@ -194,3 +207,31 @@ async def test_chat_logprobs_over_http(stack):
     for entry in content:
         assert entry["logprob"] <= 0 and len(entry["top_logprobs"]) == 3
         assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]  # greedy: the top one
+
+
+def test_plan_url_reads_the_running_servers_pool(stack, smol_path):
+    """`tokenline plan --url` against a real server: its predicted KV bytes per token (from
+    the model's config) equal the pool's, and the implied capacity the pool's size."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import requests
+
+    info = requests.get(f"{stack.url}/get_server_info", timeout=30).json()
+    cfg = json.loads((smol_path / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    assert info["kv_cache"]["dtype"] == "float32"  # CPU: a float32 pool
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 4
+    assert info["kv_cache"]["bytes"] == per_token * info["kv_cache"]["num_tokens"]
+    cmd = [str(Path(sys.executable).with_name("tokenline")), "plan", "--url", stack.url]
+    done = subprocess.run([*cmd, "--model", str(smol_path), "--json"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    check = json.loads(done.stdout)["server"]["check"]
+    assert check["predicted_kv_bytes_per_token"] == per_token
+    assert check["server_kv_bytes_per_token"] == per_token and check["matches"]
+    assert check["implied_token_capacity"] == info["kv_cache"]["num_tokens"]
+    text = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert text.returncode == 0, text.stderr
+    assert f"predicted {per_token:,} B, server {per_token:,.1f} B (matches)" in text.stdout

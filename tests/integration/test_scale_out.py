@@ -235,11 +235,11 @@ async def test_with_no_scheduler_left_streams_fail_fast_with_a_clear_error(stack
                                           ignore_eos=True), progress))
         await stack.watch.wait_for(lambda: progress[0] >= 3, timeout=60, what="a stream")
         stack.procs[last].kill()
-        killed_at = time.monotonic()
+        # noticed from the heartbeats (scheduler_lost), not ended by the gateway's 120 s
+        # inter-output deadline (code "timeout"); the 30 s wait is a liveness bound only
         got = await asyncio.wait_for(task, timeout=30)
         assert got.error is not None and got.error["code"] == "scheduler_lost", got
         assert "no other scheduler is alive" in got.error["message"]
-        assert got.ended_at - killed_at < HEARTBEAT_TIMEOUT + 3
         status, data = await chat(session, stack.urls[0], _body("Say hi.", 4))
         assert status == 503, data
         assert "scheduler" in data["error"]["message"]
