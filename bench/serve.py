@@ -69,8 +69,8 @@ async def run_benchmark(
 
     The result holds the aggregate metrics of `bench.stats.compute_metrics` (latencies in
     ms), the run's settings, `first_error`, and per-request arrays in request order
-    (`input_lens`, `output_lens`, `ttfts`, `tpots`, `e2els`, `itls`, `start_times` in seconds,
-    `errors`, `generated_texts`).
+    (`input_lens`, `cached_lens`, `output_lens`, `ttfts`, `tpots`, `e2els`, `itls`,
+    `start_times` in seconds, `errors`, `generated_texts`).
     """
     chat = endpoint.rstrip("/").endswith("chat/completions")
     if chat and any(isinstance(r.prompt, list) for r in requests):
@@ -131,6 +131,7 @@ async def run_benchmark(
         max_concurrency=max_concurrency,
         first_error=next((e for e in errors if e), None),
         input_lens=[o.prompt_len for o in outputs],
+        cached_lens=[o.cached_tokens for o in outputs],
         output_lens=[o.output_tokens for o in outputs],
         ttfts=[o.ttft for o in outputs],
         tpots=[o.tpot for o in outputs],

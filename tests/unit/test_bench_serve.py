@@ -216,7 +216,7 @@ async def test_conversation_turns_go_in_order_and_cached_tokens_are_counted(fake
     for c in (0, 1):  # each conversation's turns in order, one at a time
         assert [p for p in sent if p[0] == c] == [[c, 0], [c, 1], [c, 2]]
     assert fake.max_in_flight == 2
-    assert result["total_cached_tokens"] == 6 * 3
+    assert result["total_cached_tokens"] == 6 * 3 and result["cached_lens"] == [3] * 6
     assert result["cache_hit_rate"] == pytest.approx(3 / 7)
     assert "Prefix cache hit rate:" in serve.format_result(result)
 
