@@ -25,9 +25,9 @@ from bench.scale_out import add_stack_args, measure, stack
 REPO = Path(__file__).resolve().parents[1]
 WORKLOAD = REPO / "bench" / "workloads" / "multiturn32x6.jsonl"
 WARMUP = REPO / "bench" / "workloads" / "mixed64.jsonl"
-CONFIGS = [("2 schedulers, random", 2, "random"),
-           ("2 schedulers, cache_aware", 2, "cache_aware"),
-           ("1 scheduler", 1, "cache_aware")]
+CONFIGS = {"random": ("2 schedulers, random", 2, "random"),
+           "cache_aware": ("2 schedulers, cache_aware", 2, "cache_aware"),
+           "one": ("1 scheduler", 1, "cache_aware")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset-path", default=str(WORKLOAD))
     p.add_argument("--conversations", type=int, help="the first N (default: all)")
+    p.add_argument("--configs", default="random,cache_aware,one",
+                   help="which to run, comma-separated: random, cache_aware, one (1 scheduler)")
     add_stack_args(p)
     args = p.parse_args(argv)
     requests = load_conversations(args.dataset_path, args.conversations)
@@ -43,9 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     warmup = load_jsonl(WARMUP, 2)
     for w in warmup:
         w.max_tokens = 4
+    names = [c.strip() for c in args.configs.split(",")]
+    if unknown := [c for c in names if c not in CONFIGS]:
+        p.error(f"--configs: unknown {', '.join(unknown)}; choose from {', '.join(CONFIGS)}")
+    configs = [CONFIGS[c] for c in names]
     rows = []
     for rnd in range(args.rounds):
-        for label, n, method in CONFIGS if rnd % 2 == 0 else CONFIGS[::-1]:
+        for label, n, method in configs if rnd % 2 == 0 else configs[::-1]:
             flags = ["--load-balance-method", method, *args.server_flag]
             with stack(n, args.threads, args.kv_tokens, flags) as url:
                 res = asyncio.run(measure(url, requests, warmup))
