@@ -78,6 +78,11 @@ class ServerArgs:
     balance_abs_threshold: int = _flag(64, "cache_aware: load (running + waiting) is imbalanced "
                                        "when max - min exceeds this...")
     balance_rel_threshold: float = _flag(1.5, "...and max exceeds min times this")
+    grammar_backend: str = _flag("xgrammar", "structured outputs (JSON schema, regex, choice, "
+                                 "EBNF, tool calls) are decoded under this grammar backend",
+                                 choices=["xgrammar"])
+    grammar_compile_timeout: float = _flag(10.0, "seconds a request's grammar may take to "
+                                           "compile before the request fails with a 400")
     # gateway
     api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY'")
     enable_metrics: bool = _flag(True, "serve /metrics", negatable=True)
@@ -86,6 +91,10 @@ class ServerArgs:
     inter_output_timeout: float = _flag(120.0, "seconds between outputs before an error")
     heartbeat_timeout: float = _flag(5.0, "a service silent this long counts as dead")
     max_stop_strings: int = _flag(16, "most stop strings per request")
+    tool_call_parser: str = _flag("xlam", "the model's tool-call format, rendered into the "
+                                  "prompt and parsed from its output: xlam (SmolLM2: a JSON list "
+                                  "in <tool_call>...</tool_call>) or hermes (Qwen, Hermes: one "
+                                  "JSON object per <tool_call> tag)", choices=["xlam", "hermes"])
     # observability
     otlp_traces_endpoint: str | None = _flag(None, "OTLP traces endpoint (http(s):// or grpc://)")
     otlp_traces_protocol: str = _flag("http/protobuf", "http/protobuf or grpc",

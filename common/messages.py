@@ -11,6 +11,28 @@ from typing import Literal
 import msgspec
 
 
+class StructuredOutputs(msgspec.Struct, omit_defaults=True):
+    """A constraint on the output, as vLLM's `StructuredOutputsParams` names it: set at most one.
+
+    The scheduler compiles it into a grammar (`services/scheduler/grammar.py`) that masks every
+    sampled token, so the output is in the grammar's language however small the model."""
+
+    json: str | dict | None = None  # a JSON schema (as text or as a dict)
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings
+    grammar: str | None = None  # EBNF, in xgrammar's (GBNF-like) dialect
+    # The request field it came from (`response_format`, `structured_outputs.regex`, ...): an
+    # error compiling it names that field.
+    param: str | None = None
+
+    def kinds(self) -> list[str]:
+        """The constraints that are set (a valid one has exactly one)."""
+        kinds = [k for k in ("json", "regex", "choice", "grammar")
+                 if getattr(self, k) is not None]
+        return kinds + (["json_object"] if self.json_object else [])
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True):
     max_new_tokens: int | None = None  # None: up to the context length
     min_new_tokens: int = 0
@@ -29,6 +51,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     @property
     def greedy(self) -> bool:
@@ -45,6 +68,7 @@ class Finish(msgspec.Struct, omit_defaults=True):
     matched: str | int | None = None
     message: str | None = None
     status: int | None = None  # HTTP status for abort/error
+    param: str | None = None  # the request field an error is about
 
 
 class GenerateReq(msgspec.Struct, tag=True, omit_defaults=True):
@@ -236,6 +260,11 @@ class KvSnapshotOut(msgspec.Struct, tag=True):
     block_hashes: list[bytes]
 
 
+# Upper bounds (seconds) of the grammar compile-time histogram the schedulers report.
+GRAMMAR_COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                           5.0, 10.0)
+
+
 class StatsOut(msgspec.Struct, tag=True, omit_defaults=True):
     """Every service, periodically: a heartbeat with what it holds and its counters."""
 
@@ -265,6 +294,11 @@ class StatsOut(msgspec.Struct, tag=True, omit_defaults=True):
     route_decisions_total: dict[str, int] | None = None
     router_view: dict[str, int] | None = None
     kv_snapshots_total: int = 0
+    grammar_requests_total: int = 0  # requests with a structured-output constraint
+    grammar_cache_hits_total: int = 0
+    # compile times: a count per GRAMMAR_COMPILE_BUCKETS bound, then one for beyond the last
+    grammar_compile_buckets: list[int] = msgspec.field(default_factory=list)
+    grammar_compile_seconds_sum: float = 0.0
     info: dict | None = None  # static facts (KV pool, model) for /get_server_info
 
 

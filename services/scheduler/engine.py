@@ -10,6 +10,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from common.config import ServerArgs
 from common.logging import get_logger
 from common.messages import AbortReq, Finish, KvEvent, LogprobOut, TokenizedReq, TokenOut
 from common.modelstore import gguf_source, model_info, prepare_model
+from services.scheduler.grammar import GrammarCompiler, GrammarError, XGrammarBackend
 from services.scheduler.kv_pool import BlockPool
 from services.scheduler.model_runner import ModelRunner
 from services.scheduler.request import Request, Status
@@ -28,6 +31,7 @@ from services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerCon
 log = get_logger("engine")
 
 TOMBSTONE_SECONDS = 60.0
+GRAMMAR_POLL_S = 0.005  # an idle step waits this long for a compile before it returns
 
 
 @dataclass
@@ -41,6 +45,8 @@ class StepStats:
     retracted_rids: list[str] = field(default_factory=list)
     forward_s: float = 0.0
     sample_s: float = 0.0
+    mask_s: float = 0.0  # of sample_s: filling and applying grammar bitmasks
+    num_masked: int = 0  # rows masked by a grammar
 
 
 class _StopText:
@@ -103,6 +109,11 @@ class EngineCore:
             self.pool,
         )
         self.eos_ids = set(self.info.eos_token_ids)
+        self.grammars = GrammarCompiler(
+            XGrammarBackend(self.info.tokenizer_json, self.runner.vocab_size,
+                            sorted(self.eos_ids)),
+            args.grammar_compile_timeout)
+        self.compiling: list[Request] = []  # WAITING_FOR_GRAMMAR, in arrival order
         self._tokenizer = None
         self.requests: dict[str, Request] = {}
         self.tombstones: dict[str, float] = {}
@@ -127,7 +138,7 @@ class EngineCore:
             self._inbox.append(msg)
 
     def has_work(self) -> bool:
-        return bool(self._inbox) or self.scheduler.has_work()
+        return bool(self._inbox) or bool(self.compiling) or self.scheduler.has_work()
 
     @property
     def tokenizer(self):
@@ -141,6 +152,7 @@ class EngineCore:
     def step(self) -> list[TokenOut]:
         outputs: list[TokenOut] = []
         self._drain_inbox(outputs)
+        self._poll_grammars(outputs)
         batch = self.scheduler.schedule()
         for req in batch.failed:
             outputs.append(self._finish_out(req))
@@ -152,7 +164,11 @@ class EngineCore:
         elif batch.retracted:  # nothing ran, but who was retracted is news all the same
             self.last_step = StepStats(step=self.num_steps,
                                        retracted_rids=[r.rid for r in batch.retracted])
-        if self.args.debug_check_integrity and not self.scheduler.has_work():
+        elif self.compiling and not outputs:  # only compiles to wait for: do not spin
+            wait_futures([r.grammar_job.future for r in self.compiling],
+                         timeout=GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
+        if self.args.debug_check_integrity and not self.scheduler.has_work() \
+                and not self.compiling:
             self.check_integrity()
         return outputs
 
@@ -198,7 +214,54 @@ class EngineCore:
                 self.tokenizer, req.params.skip_special_tokens, req.output_ids
             )
         self.prompt_tokens_total += len(req.prompt_ids)
+        if req.params.structured_outputs is not None:
+            try:
+                req.grammar_job = self.grammars.submit(req.params.structured_outputs)
+            except GrammarError as exc:
+                self._fail_grammar(req, exc, outputs)
+                return
+            req.status = Status.WAITING_FOR_GRAMMAR
+            self.compiling.append(req)
+            return
         self.scheduler.add(req)
+
+    def _poll_grammars(self, outputs: list[TokenOut]) -> None:
+        """Queue the requests whose grammar is ready (with a matcher each); fail the others
+        whose grammar failed or is late. The rest wait, out of everyone's way."""
+        if not self.compiling:
+            return
+        now = time.monotonic()
+        still = []
+        for req in self.compiling:
+            job = req.grammar_job
+            if req.is_finished:  # aborted while it waited
+                continue
+            if not job.future.done():
+                if now >= job.deadline:
+                    self._fail_grammar(req, self.grammars.timeout_error(job), outputs)
+                else:
+                    still.append(req)
+                continue
+            try:
+                req.matcher = self.grammars.matcher(job)
+            except GrammarError as exc:
+                self._fail_grammar(req, exc, outputs)
+                continue
+            # moved from another scheduler: the matcher takes the tokens the client already has
+            if not all(req.matcher.accept(t) for t in req.output_ids):
+                self._fail_grammar(req, GrammarError(
+                    "the tokens this request resumed after do not fit its grammar",
+                    job.param), outputs)
+                continue
+            req.grammar_job = None
+            req.status = Status.WAITING
+            self.scheduler.add(req)
+        self.compiling = still
+
+    def _fail_grammar(self, req: Request, exc: GrammarError, outputs: list[TokenOut]) -> None:
+        req.status = Status.FINISHED
+        req.finish = Finish(kind="error", message=str(exc), status=400, param=exc.param)
+        outputs.append(self._finish_out(req))
 
     def _validate(self, req: Request) -> str | None:
         if not req.prompt_ids:
@@ -250,9 +313,16 @@ class EngineCore:
         )
         if sample_rows:
             reqs = [batch.reqs[i] for i in sample_rows]
+            blocked = self._apply_grammars(logits, reqs, stats)
             rows = [self._sample_row(r) for r in reqs]
             tokens, logprobs = sample(logits, rows)
             for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
+                if i in blocked:
+                    self.scheduler.finish(req, Finish(
+                        kind="error", status=400, param=req.params.structured_outputs.param,
+                        message="the grammar allows no next token: the output cannot go on "
+                                "within the constraint"))
+                    continue
                 lp = logprobs[i] if logprobs else None
                 self._append_token(req, token, lp)
         stats.sample_s = time.perf_counter() - t1
@@ -264,6 +334,24 @@ class EngineCore:
                     outputs.append(out)
             elif req.is_finished:
                 outputs.append(self._finish_out(req))
+
+    def _apply_grammars(self, logits: torch.Tensor, reqs: list[Request],
+                        stats: StepStats) -> set[int]:
+        """Mask the logits of the rows whose request has a grammar (in place); returns the rows
+        whose grammar allows no token at all."""
+        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
+        if not rows:
+            return set()
+        t0 = time.perf_counter()
+        backend = self.grammars.backend
+        bitmask = backend.allocate_bitmask(len(reqs))
+        for i in rows:
+            reqs[i].matcher.fill_bitmask(bitmask, i)
+        backend.apply_bitmask(logits, bitmask, rows)
+        blocked = {i for i in rows if not bool(bitmask[i].any())}
+        stats.mask_s = time.perf_counter() - t0
+        stats.num_masked = len(rows)
+        return blocked
 
     def _sample_row(self, req: Request) -> SampleRow:
         p = req.params
@@ -298,9 +386,23 @@ class EngineCore:
         if req.rid in self._counts:
             self._counts[req.rid][token] += 1
             self._seen[req.rid][token] = True
-        finish = self._check_stop(req, token)
+        finish = self._check_grammar(req, token) or self._check_stop(req, token)
         if finish is not None:
             self.scheduler.finish(req, finish)
+
+    def _check_grammar(self, req: Request, token: int) -> Finish | None:
+        """The matcher takes the token; one it refuses (a ban overrode the mask) is an error,
+        and a matcher that terminated (it took a stop token) ends the request."""
+        if req.matcher is None:
+            return None
+        if not req.matcher.accept(token):
+            return Finish(kind="error", status=400, param=req.params.structured_outputs.param,
+                          message=f"token {token} does not fit the grammar (a ban such as "
+                                  "min_tokens removed every token the grammar allows)")
+        if req.matcher.is_terminated():
+            return Finish(kind="stop", matched=token if token in req.params.stop_token_ids
+                          else None)
+        return None
 
     def _check_stop(self, req: Request, token: int) -> Finish | None:
         p = req.params
@@ -383,7 +485,7 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
-        if not self.scheduler.has_work():
+        if not self.scheduler.has_work() and not self.compiling:
             assert not self.requests, f"requests left in the table: {list(self.requests)[:5]}"
 
     def stats(self) -> dict:
@@ -405,6 +507,10 @@ class EngineCore:
             routed_predicted_tokens_total=self.scheduler.routed_predicted_total,
             routed_cached_tokens_total=self.scheduler.routed_cached_total,
             num_steps_total=self.num_steps,
+            grammar_requests_total=self.grammars.stats.requests_total,
+            grammar_cache_hits_total=self.grammars.stats.cache_hits_total,
+            grammar_compile_buckets=list(self.grammars.stats.compile_buckets),
+            grammar_compile_seconds_sum=self.grammars.stats.compile_seconds_sum,
         )
 
     def server_info(self) -> dict:
@@ -420,4 +526,6 @@ class EngineCore:
             "retraction_policy": self.args.retraction_policy,
             "batching": self.args.batching,
             "prefix_cache": not self.args.disable_prefix_cache,
+            "grammar_backend": self.grammars.backend.name,
+            "grammar_compile_timeout": self.args.grammar_compile_timeout,
         }

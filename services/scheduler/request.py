@@ -1,8 +1,9 @@
 """A request inside the engine, and its life cycle.
 
-    WAITING --schedule--> RUNNING --finish--> FINISHED (stop | length | abort | error)
-       ^                     |
-       +------retract--------+   blocks freed, tokens kept, resumed by recomputation
+    WAITING_FOR_GRAMMAR --compiled--> WAITING --schedule--> RUNNING --finish--> FINISHED
+    (a constrained request only)          ^                     |    (stop | length | abort
+                                          +------retract--------+     | error)
+                                 blocks freed, tokens kept, resumed by recomputation
 
 A request's tokens, prompt then output:
 
@@ -17,11 +18,16 @@ import enum
 import random
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common.messages import Finish, SamplingParams, TokenizedReq
 
+if TYPE_CHECKING:
+    from services.scheduler.grammar import GrammarJob, Matcher
+
 
 class Status(enum.Enum):
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"  # vLLM's WAITING_FOR_FSM
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -52,6 +58,10 @@ class Request:
     pending_logprobs: list = field(default_factory=list)
     initial_outputs: int = 0  # outputs it arrived with (resumed from another scheduler)
     predicted_cached: int | None = None  # what the router expected the prefix cache to hold
+    # structured outputs: the compile it waits for, then its matcher (which has accepted
+    # exactly output_ids, through retraction too)
+    grammar_job: GrammarJob | None = None
+    matcher: Matcher | None = None
 
     def __post_init__(self) -> None:
         # An unseeded request still gets a fixed seed, so retraction never changes its text.

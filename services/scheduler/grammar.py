@@ -1,0 +1,219 @@
+"""Grammar-constrained decoding: compile a request's constraint, mask every token it samples.
+
+    arrives ----> GrammarCompiler.submit    (a thread pool; cached by the constraint's text)
+       |  WAITING_FOR_GRAMMAR: in no queue of the scheduler, so it holds back no one
+       v  compiled; failed (a 400 naming the field); or slower than --grammar-compile-timeout
+    a matcher of its own, fed the tokens it already has (a request moved from a dead scheduler)
+       |  each step it samples: its row of the bitmask is filled and applied to its logits,
+       v  the token drawn is accepted; a matcher that terminates ends the request (stop)
+
+Only rows that sample are masked (a prefill chunk has no logits), and a retracted request keeps
+its matcher: its accepted tokens are its output tokens, which retraction keeps too.
+
+JSON is compact: the grammar allows no whitespace between tokens (xgrammar's
+`any_whitespace=False`). With free whitespace a small model can fall into endless newlines
+inside an object and never close it.
+
+The backend sits behind `GrammarBackend` so another one (llguidance) can stand beside xgrammar.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from common.messages import GRAMMAR_COMPILE_BUCKETS, StructuredOutputs
+
+CACHE_ENTRIES = 512
+COMPILE_THREADS = 2
+
+
+class GrammarError(ValueError):
+    """A constraint that does not compile; the message says why, `param` names the field."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Matcher(Protocol):
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
+    def accept(self, token: int) -> bool: ...
+    def is_terminated(self) -> bool: ...
+
+
+class GrammarBackend(Protocol):
+    name: str
+
+    def compile(self, kind: str, text: str) -> Any:
+        """Compile one constraint (`kind` as in `StructuredOutputs.kinds`); raises on error."""
+    def matcher(self, compiled: Any) -> Matcher: ...
+    def allocate_bitmask(self, rows: int) -> torch.Tensor: ...
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
+                      rows: list[int]) -> None: ...
+
+
+def constraint_text(so: StructuredOutputs) -> tuple[str, str]:
+    """(kind, text) of a constraint with exactly one kind set; the text is the cache key."""
+    kinds = so.kinds()
+    if len(kinds) != 1:
+        raise GrammarError(
+            "give at most one constraint, not " + " and ".join(kinds) if kinds
+            else "the structured output constraint is empty", so.param)
+    kind = kinds[0]
+    if kind == "json":
+        value = so.json
+        return kind, value if isinstance(value, str) else json.dumps(value)
+    if kind == "json_object":
+        return "json", '{"type": "object"}'
+    if kind == "choice":
+        assert so.choice is not None
+        if not so.choice or any(not isinstance(c, str) or not c for c in so.choice):
+            raise GrammarError("choice must be a list of non-empty strings", so.param)
+        # EBNF string literals take JSON's escapes
+        return "grammar", "root ::= " + " | ".join(json.dumps(c) for c in so.choice)
+    value = getattr(so, kind)
+    if not isinstance(value, str) or not value:
+        raise GrammarError(f"{kind} must be a non-empty string", so.param)
+    return kind, value
+
+
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+class XGrammarBackend:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer_json: Path, vocab_size: int, stop_token_ids: list[int]) -> None:
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        self.xgr = xgr
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_json))
+        # vocab_size: the lm_head's rows, which may be more than the tokenizer's tokens
+        self.info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size,
+                                                       stop_token_ids=stop_token_ids)
+        self.vocab_size = vocab_size
+        # our own cache (below) counts hits; xgrammar's would hide them
+        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+
+    def compile(self, kind: str, text: str) -> Any:
+        try:
+            if kind == "json":
+                return self.compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "regex":
+                return self.compiler.compile_regex(text)
+            return self.compiler.compile_grammar(text)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise ValueError(_CPP_PREFIX.sub("", str(exc)).strip()) from None
+
+    def matcher(self, compiled: Any) -> Matcher:
+        return _XGrammarMatcher(self.xgr.GrammarMatcher(compiled))
+
+    def allocate_bitmask(self, rows: int) -> torch.Tensor:
+        return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
+                      rows: list[int]) -> None:
+        self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+
+class _XGrammarMatcher:
+    def __init__(self, m: Any) -> None:
+        self.m = m
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        self.m.fill_next_token_bitmask(bitmask, row)
+
+    def accept(self, token: int) -> bool:
+        return self.m.accept_token(token)
+
+    def is_terminated(self) -> bool:
+        return self.m.is_terminated()
+
+
+@dataclass
+class GrammarJob:
+    """A request's wait for its grammar."""
+
+    future: Future
+    param: str | None
+    deadline: float  # time.monotonic() after which the request fails
+
+
+@dataclass
+class GrammarStats:
+    requests_total: int = 0  # requests that came with a constraint
+    cache_hits_total: int = 0
+    compile_buckets: list[int] = field(
+        default_factory=lambda: [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1))
+    compile_seconds_sum: float = 0.0
+    compile_count: int = 0
+
+    def observe(self, seconds: float) -> None:
+        self.compile_buckets[bisect.bisect_left(GRAMMAR_COMPILE_BUCKETS, seconds)] += 1
+        self.compile_seconds_sum += seconds
+        self.compile_count += 1
+
+
+class GrammarCompiler:
+    """Compiles constraints off the engine's thread, each text once (LRU of compiled ones)."""
+
+    def __init__(self, backend: GrammarBackend, timeout_s: float) -> None:
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS,
+                                       thread_name_prefix="grammar-compile")
+        self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self.stats = GrammarStats()
+        self._lock = threading.Lock()  # compile threads observe stats
+
+    def submit(self, so: StructuredOutputs) -> GrammarJob:
+        """Start (or find) the compile of a request's constraint; raises GrammarError at once
+        for a constraint that is malformed before it even reaches the backend."""
+        self.stats.requests_total += 1
+        key = constraint_text(so)
+        fut = self.cache.get(key)
+        if fut is not None:
+            self.cache.move_to_end(key)
+            self.stats.cache_hits_total += 1
+        else:
+            fut = self.pool.submit(self._compile, *key)
+            self.cache[key] = fut
+            while len(self.cache) > CACHE_ENTRIES:
+                self.cache.popitem(last=False)
+        return GrammarJob(fut, so.param, time.monotonic() + self.timeout_s)
+
+    def _compile(self, kind: str, text: str) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return self.backend.compile(kind, text)
+        finally:
+            with self._lock:
+                self.stats.observe(time.perf_counter() - t0)
+
+    def matcher(self, job: GrammarJob) -> Matcher:
+        """The compiled grammar's matcher (the job is done); raises GrammarError if it failed."""
+        try:
+            compiled = job.future.result()
+        except ValueError as exc:
+            raise GrammarError(f"invalid {job.param or 'constraint'}: {exc}", job.param) from None
+        return self.backend.matcher(compiled)
+
+    def timeout_error(self, job: GrammarJob) -> GrammarError:
+        return GrammarError(
+            f"{job.param or 'the constraint'}: compiling its grammar took longer than "
+            f"{self.timeout_s:g} s (--grammar-compile-timeout)", job.param)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
