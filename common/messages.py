@@ -81,6 +81,7 @@ class GenerateReq(msgspec.Struct, tag=True, omit_defaults=True):
     messages: list[dict] | None = None
     input_ids: list[int] | None = None
     add_generation_prompt: bool = True
+    tools: list[dict] | None = None  # OpenAI `tools`, rendered into the prompt
     priority: int = 0
     arrival_time: float = 0.0
     # Tokens a client already received: a request moved off a dead scheduler resumes after them.

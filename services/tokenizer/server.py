@@ -214,7 +214,8 @@ class TokenizerService(Service):
                 raise InputError(f"token id {bad} is outside the vocabulary "
                                  f"[0, {self.info.vocab_size})", "prompt")
         elif msg.messages is not None:
-            ids = self.tok.encode_chat(msg.messages, msg.add_generation_prompt)
+            ids = self.tok.encode_chat(msg.messages, msg.add_generation_prompt, msg.tools,
+                                       self.args.tool_call_parser)
         else:
             ids = self.tok.encode(msg.text or "")
         if not ids:

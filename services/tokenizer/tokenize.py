@@ -7,6 +7,7 @@ from datetime import datetime
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
+from common import tool_calls
 from common.modelstore import ModelInfo
 
 ROLES = {"system", "user", "assistant", "tool", "developer"}
@@ -35,11 +36,17 @@ class TextTokenizer:
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.template = env.from_string(info.chat_template) if info.chat_template else None
+        # A template that renders tools itself gets them as they are; else the tool-call
+        # format's system prompt and the assistant's calls written in that format stand in.
+        source = info.chat_template or ""
+        self.template_tools = "tools" in source
+        self.template_tool_calls = "tool_calls" in source
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True).ids
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, tool_format: str = "xlam") -> str:
         if not messages:
             raise InputError("messages must not be empty", "messages")
         for i, m in enumerate(messages):
@@ -66,11 +73,21 @@ class TextTokenizer:
             elif not isinstance(content, str):
                 raise InputError(f"messages[{i}].content must be a string or a list of parts",
                                  f"messages[{i}].content")
+            if m.get("tool_calls") is not None:
+                m = self._with_tool_calls(m, i, tool_format)
             messages[i] = m
+        if tools and not self.template_tools:
+            prompt = tool_calls.system_prompt(tool_format, tools)
+            if messages[0]["role"] == "system":
+                messages[0] = {**messages[0], "content": messages[0]["content"] + "\n\n" + prompt}
+            else:
+                messages.insert(0, {"role": "system", "content": prompt})
         if self.template is None:
             raise InputError(NO_TEMPLATE, "messages")
         try:
+            extra = {"tools": tools} if tools and self.template_tools else {}
             return self.template.render(
+                **extra,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.info.bos_token or "",
@@ -81,7 +98,30 @@ class TextTokenizer:
         except Exception as exc:  # noqa: BLE001 - odd messages break templates in odd ways
             raise InputError(f"chat template failed: {exc}", "messages") from exc
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt)
+    def _with_tool_calls(self, m: dict, i: int, tool_format: str) -> dict:
+        """An assistant message's earlier tool calls: checked, and written into its content
+        in the tool-call format unless the template renders `tool_calls` itself."""
+        calls = m["tool_calls"]
+        param = f"messages[{i}].tool_calls"
+        if m["role"] != "assistant":
+            raise InputError(f"{param}: only assistant messages carry tool_calls", param)
+        if not isinstance(calls, list):
+            raise InputError(f"{param} must be a list", param)
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+                    or not isinstance(fn.get("arguments", "{}"), str | dict):
+                raise InputError(f"{param}[{j}] must be {{\"type\": \"function\", \"function\": "
+                                 "{\"name\": ..., \"arguments\": ...}}", f"{param}[{j}]")
+        if self.template_tool_calls:
+            return m
+        text = tool_calls.render_calls(tool_format, calls)
+        content = m["content"]
+        return {k: v for k, v in m.items() if k != "tool_calls"} | {
+            "content": f"{content}\n{text}" if content else text}
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None, tool_format: str = "xlam") -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, tool_format)
         # The template writes the special tokens itself.
         return self.tokenizer.encode(text, add_special_tokens=False).ids
