@@ -19,6 +19,13 @@ bench.roofline at those steps' mean context.
     tokenline bench offline                      # mixed64, everything (about half an hour)
     tokenline bench offline --hf-batch-sizes 8,32 --json out.json
     tokenline bench offline --quick --model DIR  # a few short requests: a smoke test
+    tokenline bench offline --json-schema --batching continuous --hf-batch-sizes '' \
+        --no-hf-continuous          # every request under a JSON schema vs none, in one run
+
+With --json-schema (a schema file, or a typical built-in one) the continuous engine runs twice,
+unconstrained and with every request constrained by the schema; throughput is then output
+tokens per second (a constrained request ends when its JSON closes), and the report adds the
+grammar mask's time per step at full batch and the schema's compile time, cold and cached.
 """
 
 from __future__ import annotations
@@ -49,6 +56,21 @@ DEFAULT_WORKLOAD = Path(__file__).parent / "workloads" / "mixed64.jsonl"
 BATCHING_MODES = ("continuous", "static", "dynamic")
 QUICK_REQUESTS, QUICK_PROMPT, QUICK_OUTPUT = 6, 48, 8
 QUICK_POOL_TOKENS = 4096
+# --json-schema without a file: the kind of schema an agent sends (nested, arrays, enums)
+TYPICAL_SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["id", "customer", "items"],
+    "properties": {
+        "id": {"type": "integer"},
+        "customer": {"type": "object", "required": ["name", "email"],
+                     "properties": {"name": {"type": "string"}, "email": {"type": "string"},
+                                    "vip": {"type": "boolean"}}},
+        "items": {"type": "array", "items": {
+            "type": "object", "required": ["sku", "qty", "price"],
+            "properties": {"sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1},
+                           "price": {"type": "number"},
+                           "status": {"enum": ["new", "paid", "shipped"]}}}},
+    },
+}
 
 
 @dataclass
@@ -85,6 +107,7 @@ class DecodeTiming:
     batch: int
     contexts: list[float] = field(default_factory=list)  # mean KV length per step
     seconds: list[float] = field(default_factory=list)
+    mask_seconds: list[float] = field(default_factory=list)  # grammar masks, every row masked
 
 
 # -- the workload ------------------------------------------------------------------------------
@@ -112,14 +135,15 @@ def load_workload(path: str | Path, num_prompts: int | None, tokenizer_json: Pat
 
 # -- tokenline ---------------------------------------------------------------------------------
 def run_tokenline(model: str | None, requests: list[Request], batching: str,
-                  engine_flags: dict[str, Any], progress: bool,
+                  engine_flags: dict[str, Any], progress: bool, schema: dict | None = None,
                   ) -> tuple[Result, DecodeTiming, list[list[int]]]:
-    from common.messages import SamplingParams
+    from common.messages import SamplingParams, StructuredOutputs
     from tokenline.offline import Engine
 
     engine = Engine(model, batching=batching, **engine_flags)
-    params = [SamplingParams(max_new_tokens=r.max_tokens, temperature=0.0, ignore_eos=True)
-              for r in requests]
+    so = StructuredOutputs(json=schema) if schema is not None else None
+    params = [SamplingParams(max_new_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
+                             structured_outputs=so) for r in requests]
     # warm-up (8 tokens: less than a block, so nothing lands in the prefix cache)
     engine.generate([requests[0].prompt_ids[:8]], SamplingParams(max_new_tokens=2), use_tqdm=False)
     timing = DecodeTiming(batch=min(len(requests), engine.args.max_running_requests))
@@ -128,13 +152,21 @@ def run_tokenline(model: str | None, requests: list[Request], batching: str,
     outs = engine.generate([r.prompt_ids for r in requests], params, use_tqdm=progress)
     seconds = time.perf_counter() - t0
     core = engine.core
-    bad = [o.index for o in outs if len(o.token_ids) != requests[o.index].max_tokens]
+    if schema is None:
+        bad = [o.index for o in outs if len(o.token_ids) != requests[o.index].max_tokens]
+    else:  # a reply that closed its JSON is done; one that failed is a bug here
+        bad = [o.index for o in outs if o.finish_reason not in ("stop", "length")]
     if bad:
-        raise RuntimeError(f"tokenline {batching}: requests {bad[:5]} did not generate max_tokens")
+        raise RuntimeError(f"tokenline {batching}: requests {bad[:5]} did not generate max_tokens"
+                           f" ({outs[bad[0]].finish_reason}: {outs[bad[0]].error})")
     extra = {"steps": core.num_steps, "retractions": core.scheduler.num_retractions_total,
              "mean_ttft_s": statistics.fmean(o.ttft or 0.0 for o in outs)}
-    result = Result(f"tokenline {batching}", seconds, sum(r.max_tokens for r in requests),
-                    len(requests), extra)
+    name = f"tokenline {batching}"
+    if schema is not None:
+        name += " + json schema"
+        extra["closed_json"] = sum(o.finish_reason == "stop" for o in outs)
+        extra["compile"] = compile_times(core, schema)
+    result = Result(name, seconds, sum(len(o.token_ids) for o in outs), len(requests), extra)
     tokens = [o.token_ids for o in outs]
     del engine, core
     gc.collect()
@@ -155,9 +187,27 @@ def _record_decode_steps(engine: Any, timing: DecodeTiming) -> None:
                 and all(rid in contexts for rid in s.scheduled_rids)):
             timing.contexts.append(statistics.fmean(contexts[r] for r in s.scheduled_rids))
             timing.seconds.append(s.forward_s)
+            if s.num_masked == timing.batch:
+                timing.mask_seconds.append(s.mask_s)
         return outs
 
     core.step = recording_step
+
+
+def compile_times(core: Any, schema: dict) -> dict[str, float]:
+    """The schema's compile on a fresh compiler (cold), then a lookup of it (cached), in ms."""
+    from common.messages import StructuredOutputs
+    from services.scheduler.grammar import GrammarCompiler
+
+    compiler = GrammarCompiler(core.grammars.backend, timeout_s=60.0)
+    times = {}
+    for label in ("cold_ms", "cached_ms"):
+        t0 = time.perf_counter()
+        job = compiler.submit(StructuredOutputs(json=schema))
+        compiler.matcher(job)  # waits for the compile
+        times[label] = 1000 * (time.perf_counter() - t0)
+    compiler.shutdown()
+    return times
 
 
 # -- transformers ------------------------------------------------------------------------------
@@ -371,6 +421,21 @@ def format_report(results: list[Result], roof: dict[str, Any] | None, header: st
                 f"{100 * roof['fraction_of_strict_bound']:.0f}% of that")
     else:
         lines.append("decode step: no pure full-batch decode step to time")
+    plain, constrained = by_name.get("tokenline continuous"), next(
+        (r for r in results if r.system.endswith("+ json schema")), None)
+    if constrained:
+        c = constrained.extra
+        if plain:
+            share = 100 * constrained.tokens_per_s / plain.tokens_per_s
+            lines.append(f"json schema on every request: {share:.0f}% of the unconstrained "
+                         "throughput (output tokens/s)")
+        lines.append(f"  {c['closed_json']}/{constrained.num_requests} replies closed their JSON "
+                     "before max_tokens")
+        if c.get("mask_ms_median") is not None:
+            lines.append(f"  grammar mask at batch {c['mask_batch']}: median "
+                         f"{c['mask_ms_median']:.2f} ms per step ({c['mask_steps']} steps)")
+        lines.append(f"  compile of the schema: {c['compile']['cold_ms']:.1f} ms cold, "
+                     f"{c['compile']['cached_ms']:.3f} ms cached")
     return "\n".join(lines)
 
 
@@ -392,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-max-batch-tokens", type=int, default=2048,
                    help="transformers continuous: tokens per step (ours: --max-prefill-tokens)")
     p.add_argument("--threads", type=int, help="torch threads for every system")
+    p.add_argument("--json-schema", nargs="?", const="typical", metavar="FILE",
+                   help="also run the continuous engine with every request under this JSON "
+                   "schema (no FILE: a typical nested one) and compare")
     p.add_argument("--with-stack", action="store_true",
                    help="also `tokenline serve` under `bench serve` at an unbounded rate, right "
                    "after the offline continuous run")
@@ -461,6 +529,17 @@ def main(argv: list[str] | None = None) -> int:
         ours[mode] = tokens
         if mode == "continuous" or timing is None:  # the continuous run's steps if there is one
             timing = t
+        print(f"  {result.system}: {result.seconds:.1f} s, {result.tokens_per_s:.1f} tok/s",
+              flush=True)
+    if args.json_schema:
+        schema = TYPICAL_SCHEMA if args.json_schema == "typical" else json.loads(
+            Path(args.json_schema).read_text())
+        result, t, _ = run_tokenline(args.model, requests, "continuous", engine_flags,
+                                     args.progress, schema)
+        if t.mask_seconds:
+            result.extra.update(mask_batch=t.batch, mask_steps=len(t.mask_seconds),
+                                mask_ms_median=1000 * statistics.median(t.mask_seconds))
+        results.append(result)
         print(f"  {result.system}: {result.seconds:.1f} s, {result.tokens_per_s:.1f} tok/s",
               flush=True)
     if args.with_stack:
