@@ -111,15 +111,19 @@ class Engine:
         sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> list[Output]:
-        """Like `generate`, for conversations rendered with the model's chat template."""
+        """Like `generate`, for conversations rendered with the model's chat template; `tools`
+        (OpenAI's shape) are rendered in the `tool_call_parser` format (`common.tool_calls`
+        parses the replies)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         if self._chat is None:
             from services.tokenizer.tokenize import TextTokenizer
 
             self._chat = TextTokenizer(self.core.info)
         prompts = [
-            {"prompt_token_ids": self._chat.encode_chat(list(c), add_generation_prompt)}
+            {"prompt_token_ids": self._chat.encode_chat(list(c), add_generation_prompt, tools,
+                                                        self.args.tool_call_parser)}
             for c in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

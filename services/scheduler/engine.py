@@ -237,7 +237,7 @@ class EngineCore:
             if req.is_finished:  # aborted while it waited
                 continue
             if not job.future.done():
-                if now >= job.deadline:
+                if self.grammars.timed_out(job, now):
                     self._fail_grammar(req, self.grammars.timeout_error(job), outputs)
                 else:
                     still.append(req)
@@ -254,13 +254,12 @@ class EngineCore:
                     job.param), outputs)
                 continue
             req.grammar_job = None
-            req.status = Status.WAITING
             self.scheduler.add(req)
         self.compiling = still
 
     def _fail_grammar(self, req: Request, exc: GrammarError, outputs: list[TokenOut]) -> None:
-        req.status = Status.FINISHED
-        req.finish = Finish(kind="error", message=str(exc), status=400, param=exc.param)
+        self.scheduler.finish(req, Finish(kind="error", message=str(exc), status=400,
+                                          param=exc.param))
         outputs.append(self._finish_out(req))
 
     def _validate(self, req: Request) -> str | None:

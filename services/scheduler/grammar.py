@@ -143,12 +143,23 @@ class _XGrammarMatcher:
 
 
 @dataclass
+class _Compile:
+    """One constraint's compile, shared by every request that asks for it."""
+
+    future: Future | None = None
+    started: float | None = None  # time.monotonic() when a thread took it up
+
+
+@dataclass
 class GrammarJob:
     """A request's wait for its grammar."""
 
-    future: Future
+    compile: _Compile
     param: str | None
-    deadline: float  # time.monotonic() after which the request fails
+
+    @property
+    def future(self) -> Future:
+        return self.compile.future
 
 
 @dataclass
@@ -174,7 +185,7 @@ class GrammarCompiler:
         self.timeout_s = timeout_s
         self.pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS,
                                        thread_name_prefix="grammar-compile")
-        self.cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self.cache: OrderedDict[tuple[str, str], _Compile] = OrderedDict()
         self.stats = GrammarStats()
         self._lock = threading.Lock()  # compile threads observe stats
 
@@ -183,24 +194,32 @@ class GrammarCompiler:
         for a constraint that is malformed before it even reaches the backend."""
         self.stats.requests_total += 1
         key = constraint_text(so)
-        fut = self.cache.get(key)
-        if fut is not None:
+        entry = self.cache.get(key)
+        if entry is not None:
             self.cache.move_to_end(key)
             self.stats.cache_hits_total += 1
         else:
-            fut = self.pool.submit(self._compile, *key)
-            self.cache[key] = fut
+            entry = _Compile()
+            entry.future = self.pool.submit(self._compile, entry, *key)
+            self.cache[key] = entry
             while len(self.cache) > CACHE_ENTRIES:
                 self.cache.popitem(last=False)
-        return GrammarJob(fut, so.param, time.monotonic() + self.timeout_s)
+        return GrammarJob(entry, so.param)
 
-    def _compile(self, kind: str, text: str) -> Any:
+    def _compile(self, entry: _Compile, kind: str, text: str) -> Any:
+        entry.started = time.monotonic()
         t0 = time.perf_counter()
         try:
             return self.backend.compile(kind, text)
         finally:
             with self._lock:
                 self.stats.observe(time.perf_counter() - t0)
+
+    def timed_out(self, job: GrammarJob, now: float) -> bool:
+        """Whether the compile has run longer than the timeout (time queued behind other
+        compiles does not count: a burst of new schemas is not an error)."""
+        started = job.compile.started
+        return started is not None and not job.future.done() and now - started > self.timeout_s
 
     def matcher(self, job: GrammarJob) -> Matcher:
         """The compiled grammar's matcher (the job is done); raises GrammarError if it failed."""

@@ -68,6 +68,7 @@ class Scheduler:
 
     # -- queue --------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        req.status = Status.WAITING  # new, or its grammar just compiled
         self.waiting.append(req)
 
     def remove(self, req: Request) -> None:

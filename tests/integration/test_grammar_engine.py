@@ -133,8 +133,9 @@ def test_bad_constraint_fails_with_400_naming_the_field(engine, so, field, words
 def test_compile_slower_than_the_timeout_fails_with_400(engine):
     engine.grammars.timeout_s = 0.0  # what --grammar-compile-timeout 0 would set
     try:
-        # a schema never compiled before: its compile cannot be done the moment it is asked
-        so = StructuredOutputs(json={**SCHEMA, "title": "timeout"}, param="response_format")
+        # a schema that takes xgrammar seconds to compile (a long minimum string length)
+        so = StructuredOutputs(json={"type": "object", "required": ["text"], "properties": {
+            "text": {"type": "string", "minLength": 300}}}, param="response_format")
         _, finish, _ = run_engine(engine, [_req("slow", so)])
     finally:
         engine.grammars.timeout_s = 10.0

@@ -38,7 +38,7 @@ def test_twenty_json_schemas_greedy_and_sampled_validate(engine):
                          [StructuredOutputs(json=s) for _, s in SCHEMAS])
     assert len(outs) == 40
     for out, p in zip(outs, params, strict=True):
-        assert out.finish_reason == "stop", (out.text, p.temperature)
+        assert out.finish_reason == "stop", (out.text, out.error, p.temperature)
         jsonschema.validate(json.loads(out.text), p.structured_outputs.json)
         assert "\n" not in out.text  # compact: no free whitespace
 
