@@ -200,6 +200,10 @@ async def test_a_burst_sharing_one_prefix_runs_on_both_schedulers(stack):
     shared = _tokens(rng, 96)
     async with aiohttp.ClientSession() as session:
         await stack.flush(session)
+        # what the last phase left cached is gone from every router's view too
+        await stack.wait_for(lambda: all(t.router_view == dict.fromkeys(SCHEDULERS, 0)
+                                         for t in stack.live_tokenizer_stats()),
+                             "every view empty after /flush_cache", timeout=10)
         await generate(session, stack.url, shared + _tokens(rng, 4), 4)  # one holds it first
         await stack.idle()
         before = {s: st.prompt_tokens_total for s, st in stack.scheduler_stats().items()}
