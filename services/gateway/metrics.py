@@ -21,8 +21,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from common.messages import TextOut
 
 if TYPE_CHECKING:
-    from services.gateway.server import GatewayService
-    from services.gateway.tracker import SubRequest
+    from common.peers import PeerTable
+    from services.gateway.tracker import SubRequest, Tracker
 
 P = "tokenline:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -58,13 +58,13 @@ class _SchedulerCollector:
 
     SETUP = ("quantization", "dtype", "linear_dtype", "device")  # scheduler_info's labels
 
-    def __init__(self, model_name: str, gateway: GatewayService) -> None:
+    def __init__(self, model_name: str, peers: PeerTable, tracker: Tracker) -> None:
         self.model_name = model_name
-        self.gateway = gateway
+        self.peers = peers
+        self.tracker = tracker
 
     def collect(self):
-        gw = self.gateway
-        scheds = gw.alive("scheduler")
+        scheds = self.peers.alive("scheduler")
         for name, (field, doc) in self.GAUGES.items():
             g = GaugeMetricFamily(P + name, doc, labels=["model_name"])
             values = [getattr(s, field) for s in scheds]
@@ -77,28 +77,27 @@ class _SchedulerCollector:
         for name, (field, doc) in self.COUNTERS.items():
             c = CounterMetricFamily(P + name, doc, labels=["model_name"])
             # dead schedulers' last counts stay in: counters never go down on a scrape
-            c.add_metric([self.model_name], sum(getattr(s, field) for (svc, _), s in
-                                                gw.peers.items() if svc == "scheduler"))
+            c.add_metric([self.model_name],
+                         sum(getattr(s, field) for s in self.peers.known("scheduler")))
             yield c
         decisions = CounterMetricFamily(P + "router_decisions", "Requests routed to a "
                                         "scheduler, by reason (cache_hit, cache_miss, "
                                         "imbalance, fallback, queue_group, ...).",
                                         labels=["model_name", "reason"])
         by_reason: dict[str, int] = {}
-        for (svc, _), s in gw.peers.items():
-            if svc == "tokenizer":
-                for reason, n in (s.route_decisions_total or {}).items():
-                    by_reason[reason] = by_reason.get(reason, 0) + n
+        for s in self.peers.known("tokenizer"):
+            for reason, n in (s.route_decisions_total or {}).items():
+                by_reason[reason] = by_reason.get(reason, 0) + n
         for reason, n in sorted(by_reason.items()):
             decisions.add_metric([self.model_name, reason], n)
         yield decisions
         inflight = GaugeMetricFamily(P + "requests_in_flight",
                                      "Requests each service holds state for (leaks show here).",
                                      labels=["model_name", "service"])
-        inflight.add_metric([self.model_name, "gateway"], len(gw.tracker))
+        inflight.add_metric([self.model_name, "gateway"], len(self.tracker))
         for svc in ("tokenizer", "scheduler", "detokenizer"):
             inflight.add_metric([self.model_name, svc],
-                                sum(s.in_flight for s in gw.alive(svc)))
+                                sum(s.in_flight for s in self.peers.alive(svc)))
         yield inflight
         # an info metric, like vLLM's cache_config_info: value 1, the facts in the labels
         setup = GaugeMetricFamily(P + "scheduler_info", "Each live scheduler's model setup.",
@@ -113,7 +112,7 @@ class _SchedulerCollector:
 
 
 class Metrics:
-    def __init__(self, model_name: str, gateway: GatewayService) -> None:
+    def __init__(self, model_name: str, peers: PeerTable, tracker: Tracker) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
@@ -133,7 +132,7 @@ class Metrics:
                                registry=self.registry)
         for reason in ("stop", "length", "abort", "error"):  # present from the start, at 0
             self.success.labels(model_name, reason)
-        self.registry.register(_SchedulerCollector(model_name, gateway))
+        self.registry.register(_SchedulerCollector(model_name, peers, tracker))
 
     def observe_finished(self, sub: SubRequest, out: TextOut) -> None:
         """A sequence's final output (stop, length or abort) as the handler consumes it."""

@@ -6,12 +6,13 @@ Unknown fields are ignored, as vLLM does. Every error names the field it is abou
 from __future__ import annotations
 
 import re
+import time
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
-from common.messages import SamplingParams
+from common.messages import GenerateReq, SamplingParams
 
 MAX_N = 16  # most choices (and most prompts) per request
 MAX_LOGPROBS = 20
@@ -104,6 +105,28 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
 
+    def prompt(self) -> dict:
+        """Refuse here what could not even reach the tokenizer (it checks roles and content)."""
+        _check(bool(self.messages), "messages must not be empty", "messages")
+        for i, m in enumerate(self.messages):
+            _check(isinstance(m, dict), f"messages[{i}] must be an object", f"messages[{i}]")
+        try:
+            msgspec.msgpack.encode(self.messages)
+        except (OverflowError, TypeError) as exc:  # e.g. an integer beyond 64 bits
+            raise APIError(f"messages cannot be sent on: {exc}", "messages") from None
+        return {"messages": self.messages, "add_generation_prompt": self.add_generation_prompt}
+
+    def to_params(self, vocab_size: int, max_stops: int) -> SamplingParams:
+        _check(not self.top_logprobs or self.logprobs, "top_logprobs needs logprobs: true",
+               "top_logprobs")
+        newer = self.max_completion_tokens is not None  # OpenAI's new name wins
+        return _sampling_params(
+            self, max_tokens=self.max_completion_tokens if newer else self.max_tokens,
+            min_tokens=self.min_tokens,
+            max_tokens_param="max_completion_tokens" if newer else "max_tokens",
+            logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+            vocab_size=vocab_size, max_stops=max_stops)
+
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[Any]  # a string, token ids, or a list of either (checked later)
@@ -111,6 +134,35 @@ class CompletionRequest(_Sampling, kw_only=True):
     echo: bool = False
     best_of: Int | None = None
     suffix: str | None = None
+
+    def prompts(self, vocab_size: int) -> list[dict]:
+        """One entry per prompt: a string, token ids, or a list of either."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [{"text": prompt}]
+        _check(bool(prompt), "prompt must not be empty", "prompt")
+        if all(isinstance(x, int) for x in prompt):
+            return [{"input_ids": _token_ids(prompt, vocab_size)}]
+        _check(len(prompt) <= MAX_N, f"at most {MAX_N} prompts per request", "prompt")
+        out = []
+        for x in prompt:
+            if isinstance(x, str):
+                out.append({"text": x})
+            elif isinstance(x, list) and x and all(isinstance(t, int) for t in x):
+                out.append({"input_ids": _token_ids(x, vocab_size)})
+            else:
+                raise APIError("prompt must be a string, a list of strings, a list of token "
+                               "ids, or a list of such lists", "prompt")
+        return out
+
+    def to_params(self, vocab_size: int, max_stops: int) -> SamplingParams:
+        _check(self.best_of is None or self.best_of == self.n,
+               "best_of other than n is not supported", "best_of")
+        _check(not self.suffix, "suffix is not supported", "suffix")
+        return _sampling_params(
+            self, max_tokens=16 if self.max_tokens is None else self.max_tokens,
+            min_tokens=self.min_tokens, max_tokens_param="max_tokens", logprobs=self.logprobs,
+            vocab_size=vocab_size, max_stops=max_stops)
 
 
 class GenerateSamplingParams(msgspec.Struct, kw_only=True):
@@ -146,6 +198,45 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: Logprobs = 0
 
+    def prompt(self) -> dict:
+        _check((self.text is None) != (self.input_ids is None),
+               "give exactly one of `text` or `input_ids`", "text")
+        return {"text": self.text} if self.text is not None else {"input_ids": self.input_ids}
+
+    def to_params(self, vocab_size: int, max_stops: int) -> SamplingParams:
+        sp = self.sampling_params
+        try:
+            return _sampling_params(
+                sp, max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens,
+                max_tokens_param="max_new_tokens",
+                logprobs=self.top_logprobs_num if self.return_logprob else None,
+                vocab_size=vocab_size, max_stops=max_stops)
+        except APIError as exc:
+            exc.param = f"sampling_params.{exc.param}" if exc.param else exc.param
+            raise
+
+
+def check_model(asked: str | None, served: str) -> None:
+    if asked and asked != served:
+        raise APIError(f"The model `{asked}` does not exist; this server serves `{served}`",
+                       "model", 404, code="model_not_found")
+
+
+def sequences(rid: str, gateway_id: str, prompts: list[dict], params: SamplingParams, n: int,
+              priority: int) -> list[GenerateReq]:
+    """What the engine generates for a request: n choices of each prompt, each its own rid."""
+    msgs = []
+    total = len(prompts) * n
+    for i, prompt in enumerate(prompts):
+        for j in range(n):
+            p = msgspec.structs.replace(params)
+            if p.seed is not None and n > 1:
+                p.seed = p.seed + j  # distinct but reproducible choices
+            sub_rid = rid if total == 1 else f"{rid}-{i * n + j}"
+            msgs.append(GenerateReq(rid=sub_rid, gateway_id=gateway_id, params=p,
+                                    priority=priority, arrival_time=time.time(), **prompt))
+    return msgs
+
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
 
@@ -174,99 +265,73 @@ def decode_body(body: bytes, kind: type) -> Any:
         raise APIError(f"the body is not valid JSON: {msg}", None) from None
 
 
-def _stops(stop: str | list[str] | None, max_stops: int) -> list[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > max_stops:
-        raise APIError(f"too many stop strings: {len(stops)} (at most {max_stops})", "stop")
-    if any(s == "" for s in stops):
-        raise APIError("stop strings must not be empty", "stop")
-    return stops
-
-
+# -- what the types cannot say: cross-field, vocabulary and --max-stop-strings checks ---------
 def _check(cond: bool, message: str, param: str) -> None:
     if not cond:
         raise APIError(message, param)
 
 
-def build_params(
-    *,
-    max_tokens: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    min_p: float | None,
-    seed: int | None,
-    presence_penalty: float | None,
-    frequency_penalty: float | None,
-    repetition_penalty: float | None,
-    logit_bias: dict[str, float] | None,
-    stop: str | list[str] | None,
-    stop_token_ids: list[int] | None,
-    ignore_eos: bool,
-    min_tokens: int,
-    skip_special_tokens: bool,
-    include_stop_str_in_output: bool,
-    logprobs: int | None,
-    vocab_size: int,
-    max_stops: int,
-    max_tokens_param: str = "max_tokens",
-) -> SamplingParams:
-    t = 1.0 if temperature is None else temperature
-    _check(t >= 0, f"temperature must be >= 0, got {t}", "temperature")
-    p = 1.0 if top_p is None else top_p
-    _check(0 < p <= 1, f"top_p must be in (0, 1], got {p}", "top_p")
-    k = -1 if top_k is None else top_k
-    _check(k == -1 or k >= 1, f"top_k must be -1 (off) or >= 1, got {k}", "top_k")
-    mp = 0.0 if min_p is None else min_p
-    _check(0 <= mp <= 1, f"min_p must be in [0, 1], got {mp}", "min_p")
-    if max_tokens is not None:
-        _check(max_tokens >= 1, f"{max_tokens_param} must be >= 1, got {max_tokens}",
-               max_tokens_param)
-    _check(min_tokens >= 0, f"min_tokens must be >= 0, got {min_tokens}", "min_tokens")
+def _stops(stop: str | list[str] | None, max_stops: int) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    _check(len(stops) <= max_stops,
+           f"too many stop strings: {len(stops)} (at most {max_stops})", "stop")
+    _check(all(s != "" for s in stops), "stop strings must not be empty", "stop")
+    return stops
+
+
+def _logit_bias(logit_bias: dict[str, float] | None, vocab_size: int) -> dict[int, float] | None:
+    if not logit_bias:
+        return None
+    bias: dict[int, float] = {}
+    for key, value in logit_bias.items():
+        try:
+            tid = int(key)
+        except ValueError:
+            raise APIError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+        _check(0 <= tid < vocab_size, f"logit_bias token id {tid} is outside the vocabulary "
+               f"[0, {vocab_size})", "logit_bias")
+        bias[tid] = float(value)
+    return bias
+
+
+def _token_ids(ids: list, vocab_size: int) -> list[int]:
+    for t in ids:
+        if type(t) is not int:  # a bool is an int to Python, not to the tokenizer
+            raise APIError(f"prompt token ids must be integers, got {t!r}", "prompt")
+        _check(0 <= t < vocab_size,
+               f"token id {t} is outside the vocabulary [0, {vocab_size})", "prompt")
+    return list(ids)
+
+
+def _sampling_params(src: _Sampling | GenerateSamplingParams, *, max_tokens: int | None,
+                     min_tokens: int, max_tokens_param: str, logprobs: int | None,
+                     vocab_size: int, max_stops: int) -> SamplingParams:
+    """The fields every body shares, read by their common names; None is the default."""
+    top_k = -1 if src.top_k is None else src.top_k
+    _check(top_k != 0, f"top_k must be -1 (off) or >= 1, got {top_k}", "top_k")
     if max_tokens is not None:
         _check(min_tokens <= max_tokens, f"min_tokens ({min_tokens}) must not exceed "
                f"{max_tokens_param} ({max_tokens})", "min_tokens")
-    pp = presence_penalty or 0.0
-    fp = frequency_penalty or 0.0
-    _check(-2 <= pp <= 2, f"presence_penalty must be in [-2, 2], got {pp}", "presence_penalty")
-    _check(-2 <= fp <= 2, f"frequency_penalty must be in [-2, 2], got {fp}", "frequency_penalty")
-    rp = 1.0 if repetition_penalty is None else repetition_penalty
-    _check(0 < rp <= 10, f"repetition_penalty must be in (0, 10], got {rp}",
-           "repetition_penalty")
-    if seed is not None:
-        _check(-(2**63) <= seed < 2**63, "seed must fit in 64 bits", "seed")
-    bias: dict[int, float] | None = None
-    if logit_bias:
-        bias = {}
-        for key, value in logit_bias.items():
-            try:
-                tid = int(key)
-            except ValueError:
-                raise APIError(f"logit_bias key {key!r} is not a token id", "logit_bias") from None
-            _check(0 <= tid < vocab_size, f"logit_bias token id {tid} is outside the vocabulary "
-                   f"[0, {vocab_size})", "logit_bias")
-            _check(-100 <= value <= 100, f"logit_bias values must be in [-100, 100], got {value}",
-                   "logit_bias")
-            bias[tid] = float(value)
-    for tid in stop_token_ids or []:
-        _check(0 <= tid < vocab_size, f"stop_token_ids: {tid} is outside the vocabulary",
+    bias = _logit_bias(src.logit_bias, vocab_size)
+    for tid in src.stop_token_ids or []:
+        _check(tid < vocab_size, f"stop_token_ids: {tid} is outside the vocabulary",
                "stop_token_ids")
     return SamplingParams(
         max_new_tokens=max_tokens,
         min_new_tokens=min_tokens,
-        temperature=t,
-        top_p=p,
-        top_k=k,
-        min_p=mp,
-        seed=seed,
-        presence_penalty=pp,
-        frequency_penalty=fp,
-        repetition_penalty=rp,
+        temperature=1.0 if src.temperature is None else src.temperature,
+        top_p=1.0 if src.top_p is None else src.top_p,
+        top_k=top_k,
+        min_p=0.0 if src.min_p is None else src.min_p,
+        seed=src.seed,
+        presence_penalty=src.presence_penalty or 0.0,
+        frequency_penalty=src.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if src.repetition_penalty is None else src.repetition_penalty,
         logit_bias=bias,
         logprobs=logprobs,
-        stop=_stops(stop, max_stops),
-        stop_token_ids=list(stop_token_ids or []),
-        ignore_eos=ignore_eos,
-        skip_special_tokens=skip_special_tokens,
-        include_stop_str_in_output=include_stop_str_in_output,
+        stop=_stops(src.stop, max_stops),
+        stop_token_ids=list(src.stop_token_ids or []),
+        ignore_eos=src.ignore_eos,
+        skip_special_tokens=src.skip_special_tokens,
+        include_stop_str_in_output=src.include_stop_str_in_output,
     )

@@ -58,19 +58,44 @@ class Event:
 
 
 class Tracker:
+    """The gateway's request table: every sequence by rid, and each response's sequences."""
+
     def __init__(self) -> None:
         self.subs: dict[str, SubRequest] = {}
+        self.groups: dict[str, list[str]] = {}  # response id -> its sequences' rids
 
     def __len__(self) -> int:
         return len(self.subs)
+
+    def is_empty(self) -> bool:
+        return not self.subs and not self.groups
 
     def add(self, msg: GenerateReq, index: int, queue: asyncio.Queue) -> SubRequest:
         sub = SubRequest(msg=msg, index=index, queue=queue)
         self.subs[msg.rid] = sub
         return sub
 
-    def remove(self, rid: str) -> None:
-        self.subs.pop(rid, None)
+    def open(self, group: str, msgs: list[GenerateReq], headers: dict[str, str]
+             ) -> list[SubRequest]:
+        """A response's sequences, sharing one queue, under the response's id."""
+        queue: asyncio.Queue = asyncio.Queue()
+        subs = [self.add(m, i, queue) for i, m in enumerate(msgs)]
+        for sub in subs:
+            sub.headers = headers
+        self.groups[group] = [m.rid for m in msgs]
+        return subs
+
+    def close(self, group: str) -> None:
+        """Forget a response and its sequences."""
+        for rid in self.groups.pop(group, []):
+            self.subs.pop(rid, None)
+
+    def rids(self, rid: str) -> list[str]:
+        """The sequences' rids of a response id; a sequence's own rid stands for itself."""
+        return self.groups.get(rid, [rid])
+
+    def in_use(self, rid: str) -> bool:
+        return rid in self.groups or rid in self.subs
 
     def accept(self, rid: str, scheduler_id: str) -> None:
         """A scheduler took the request from its queue group: it owns the request now."""
@@ -78,9 +103,11 @@ class Tracker:
         if sub is not None and sub.scheduler_id is None:
             sub.scheduler_id = scheduler_id
 
+    def unfinished(self) -> list[SubRequest]:
+        return [s for s in self.subs.values() if s.finish is None and not s.finished]
+
     def owned_by(self, scheduler_id: str) -> list[SubRequest]:
-        return [s for s in self.subs.values()
-                if s.scheduler_id == scheduler_id and s.finish is None and not s.finished]
+        return [s for s in self.unfinished() if s.scheduler_id == scheduler_id]
 
     def move(self, sub: SubRequest, scheduler_id: str) -> GenerateReq:
         """The request again, to resume on `scheduler_id` after the tokens delivered so far."""

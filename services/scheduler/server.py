@@ -30,6 +30,7 @@ from common.messages import (
     TokenizedReq,
     TokenOut,
 )
+from common.peers import PeerTable
 from common.service import Service
 from common.subjects import SCHEDULER_QUEUE
 from services.scheduler.engine import EngineCore, StepStats
@@ -52,7 +53,7 @@ class SchedulerService(Service):
         self.kv_seq = 0  # the last KvEventsOut sent
         self.wake = asyncio.Event()
         self.step_lock = asyncio.Lock()
-        self.detokenizers: dict[str, float] = {}  # id -> last heartbeat (monotonic)
+        self.peers = PeerTable(args.heartbeat_timeout)  # the detokenizers' heartbeats
         self.route: dict[str, str] = {}  # rid -> detokenizer id, for the request's whole life
         self.gateway_of: dict[str, str] = {}  # rid -> gateway id, while the request lives
         # (time, rid, gateway id, detokenizer id) of requests that ended lately: their last
@@ -77,8 +78,9 @@ class SchedulerService(Service):
         await self.bus.subscribe(self.subjects.scheduler_instance(self.instance_id),
                                  self.on_request)
         await self.bus.subscribe(self.subjects.abort, self.on_abort)
-        self.spawn(self._watch_detokenizers())
-        self.bus.on_connection_change.append(self._on_nats_connection)
+        self.spawn(self.peers.watch("detokenizer", self._detokenizer_gone,
+                                    lambda: self.bus.connected))
+        self.bus.on_connection_change.append(self.peers.on_connection)
         await self.bus.subscribe_requests(self.subjects.flush_cache, self.on_flush)
         await self.bus.subscribe_requests(self.subjects.kv_snapshot(self.instance_id),
                                           self.on_kv_snapshot)
@@ -115,7 +117,7 @@ class SchedulerService(Service):
 
     async def on_detok_stats(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, StatsOut):
-            self.detokenizers[msg.instance_id] = time.monotonic()
+            self.peers.record(msg)
             self.detokenizer_seen.set()
 
     async def on_flush(self, msg: Message) -> Message:
@@ -213,6 +215,7 @@ class SchedulerService(Service):
                 headers = self.headers.pop(out.rid, None)
                 if out.finish.kind in ("abort", "error"):
                     self._log_end(out, headers)
+        self._forget_old_ends()
         for detok_id, items in by_detok.items():
             await self.bus.publish(
                 self.subjects.detokenizer(detok_id),
@@ -233,7 +236,7 @@ class SchedulerService(Service):
         current = self.route.get(rid)
         if current is not None:
             return current  # until it is declared lost (`_on_detokenizer_lost`)
-        alive = self._alive_detokenizers()
+        alive = self.peers.alive_ids("detokenizer")
         if not alive:
             return None
         chosen = alive[zlib.crc32(rid.encode()) % len(alive)]
@@ -241,25 +244,15 @@ class SchedulerService(Service):
         return chosen
 
     # -- detokenizer loss -----------------------------------------------------------------------
-    async def _watch_detokenizers(self) -> None:
-        """Call `_on_detokenizer_lost` once for each detokenizer whose heartbeats stopped."""
-        while True:
-            await asyncio.sleep(min(0.25, self.args.heartbeat_timeout / 4))
-            cutoff = time.monotonic() - 2 * self.args.heartbeat_timeout
-            while self.ended and self.ended[0][0] < cutoff:
-                self.ended.popleft()
-            if not self.bus.connected:
-                continue  # we hear nobody: that says nothing about them
-            alive = set(self._alive_detokenizers())
-            for detok_id in sorted(set(self.detokenizers) - alive):
-                del self.detokenizers[detok_id]  # a heartbeat brings it back
-                await self._on_detokenizer_lost(detok_id)
+    def _forget_old_ends(self) -> None:
+        """Past twice the heartbeat timeout, a detokenizer that took an end has passed it on."""
+        cutoff = time.monotonic() - 2 * self.args.heartbeat_timeout
+        while self.ended and self.ended[0][0] < cutoff:
+            self.ended.popleft()
 
-    def _on_nats_connection(self, up: bool) -> None:
-        if up:  # count the detokenizers' silence from now, not from before we were cut off
-            now = time.monotonic()
-            for detok_id in self.detokenizers:
-                self.detokenizers[detok_id] = now
+    async def _detokenizer_gone(self, detok_id: str) -> bool:
+        await self._on_detokenizer_lost(detok_id)
+        return True
 
     async def _on_detokenizer_lost(self, detok_id: str) -> None:
         """Fail at once every request whose text a dead detokenizer was making.
@@ -267,6 +260,7 @@ class SchedulerService(Service):
         Its decoding state and whatever output it had not passed on are gone: a new detokenizer
         could not continue the text without a gap, so the request ends with a 503 (freeing its
         blocks), and so does one whose last output may have died with it."""
+        self._forget_old_ends()
         running = [(rid, self.gateway_of.get(rid)) for rid, d in self.route.items()
                    if d == detok_id]
         ended = [(rid, gw) for _, rid, gw, d in self.ended if d == detok_id]
@@ -292,10 +286,6 @@ class SchedulerService(Service):
         await self.bus.publish(self.subjects.gateway(gateway_id), ErrorOut(
             rid=rid, message=message + "; retry", status=503, err_type="service_unavailable",
             code=code))
-
-    def _alive_detokenizers(self) -> list[str]:
-        cutoff = time.monotonic() - self.args.heartbeat_timeout
-        return sorted(d for d, t in self.detokenizers.items() if t >= cutoff)
 
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> StatsOut:

@@ -1,0 +1,152 @@
+"""Handing requests on so that none vanishes, and when a stage behind the gateway is lost,
+moving or failing the requests it held.
+
+A dead scheduler's requests move to live ones (or fail with a 503 when none is left), a dead
+tokenizer's unaccepted requests fail at once, and a gateway cut off from NATS fails all of its
+own. Every failure is a 503 the client may retry (`docs/reliability.md`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import nats.errors
+
+from common import tracing
+from common.bus import Bus
+from common.logging import get_logger, request_logger
+from common.messages import AbortReq, ErrorOut, GenerateReq, StatsOut
+from common.peers import PeerTable
+from common.subjects import Subjects
+from services.gateway.protocol import APIError
+from services.gateway.tracker import SubRequest, Tracker
+
+log = get_logger("gateway")
+
+TOKENIZER_WAIT_S = 1.0  # a request waits this long for a tokenizer (one restarting) before 503
+
+
+class Failover:
+    def __init__(self, bus: Bus, subjects: Subjects, peers: PeerTable, tracker: Tracker,
+                 probe: Callable[[], StatsOut], timeout: float) -> None:
+        self.bus = bus
+        self.subjects = subjects
+        self.peers = peers
+        self.tracker = tracker
+        self.probe = probe  # the message a probe sends (our heartbeat, which schedulers ignore)
+        self.timeout = timeout  # --heartbeat-timeout
+
+    async def submit(self, msg: GenerateReq, headers: dict[str, str]) -> str:
+        """Hand a request to a tokenizer and return the id of the one that took it.
+
+        Plain NATS would drop it without a word while no tokenizer listens (the only one is
+        restarting); here that is a 503 after a short wait instead of a hang."""
+        deadline = time.monotonic() + TOKENIZER_WAIT_S
+        while True:
+            try:
+                receipt = await self.bus.publish_acked(self.subjects.tokenizer, msg, headers,
+                                                       timeout=self.timeout)
+                return receipt.instance_id
+            except nats.errors.NoRespondersError:
+                if time.monotonic() >= deadline:
+                    raise APIError("no tokenizer is available; retry shortly", None, 503,
+                                   "service_unavailable", "no_tokenizer") from None
+                await asyncio.sleep(0.1)
+            except nats.errors.Error as exc:  # timeout, or NATS itself is unreachable
+                raise APIError(f"the request could not be handed to a tokenizer ({exc}); "
+                               "retry shortly", None, 503, "service_unavailable",
+                               "tokenizer_unreachable") from None
+
+    # -- scheduler ------------------------------------------------------------------------------
+    async def scheduler_gone(self, scheduler_id: str) -> bool:
+        if await self._answers(scheduler_id):
+            return False  # heartbeats late, yet it is there: a busy machine, not a death
+        await self.scheduler_lost(scheduler_id)
+        return True
+
+    async def _answers(self, scheduler_id: str) -> bool:
+        """Whether a scheduler whose heartbeats are late still takes messages on its subject.
+
+        NATS drops a closed connection's subscriptions at once, so a process that is gone
+        (killed, crashed) gives 'no responders' at once; one that is alive but starved of CPU
+        acknowledges the probe."""
+        try:
+            await self.bus.publish_acked(self.subjects.scheduler_instance(scheduler_id),
+                                         self.probe(), timeout=self.timeout)
+            return True
+        except nats.errors.Error:  # no responders, or no receipt in time: hung or cut off
+            return False
+
+    async def scheduler_lost(self, scheduler_id: str) -> None:
+        """Move the requests a dead scheduler owned to live ones; with none left, fail them.
+
+        A moved request resumes after the tokens this gateway already delivered (the engine
+        recomputes their KV and samples by position, so greedy and seeded output continue
+        exactly); `Tracker.deliver` drops the replayed text and any late output of the dead one.
+        Its copy there is aborted first, in case that scheduler was only silent, not dead.
+        """
+        victims = self.tracker.owned_by(scheduler_id)
+        if not victims:
+            return
+        load = self.peers.load("scheduler")
+        log.warning("scheduler lost", scheduler_id=scheduler_id, requests=len(victims),
+                    survivors=list(load))
+        if not load:
+            self.fail_unavailable(victims, "scheduler_lost",
+                                  f"the scheduler serving this request ({scheduler_id}) stopped "
+                                  "responding and no other scheduler is alive; retry shortly")
+            return
+        for sub in victims:
+            target = min(load, key=load.__getitem__)
+            load[target] += 1
+            await self._move(sub, scheduler_id, target)
+
+    async def _move(self, sub: SubRequest, dead: str, target: str) -> None:
+        await self.bus.publish(self.subjects.abort, AbortReq(
+            rid=sub.msg.rid, scheduler_id=dead, reason="moved to another scheduler"))
+        msg = self.tracker.move(sub, target)
+        request_logger(msg.rid, tracing.trace_id(sub.headers)).info(
+            "request moved", scheduler_id=target, resumed_after=len(msg.output_ids))
+        try:
+            sub.tokenizer_id = await self.submit(msg, sub.headers)
+        except APIError as exc:
+            self.tracker.deliver(ErrorOut(rid=msg.rid, message=exc.message, status=exc.status,
+                                          err_type=exc.err_type, code=exc.code))
+
+    # -- tokenizer ------------------------------------------------------------------------------
+    async def tokenizer_gone(self, tokenizer_id: str) -> bool:
+        self.tokenizer_lost(tokenizer_id)
+        return True
+
+    def tokenizer_lost(self, tokenizer_id: str) -> None:
+        """Fail at once the requests a dead tokenizer took but no scheduler accepted yet."""
+        victims = [s for s in self.tracker.unfinished()
+                   if s.tokenizer_id == tokenizer_id and s.scheduler_id is None]
+        if victims:
+            log.warning("tokenizer lost", tokenizer_id=tokenizer_id, requests=len(victims))
+        self.fail_unavailable(victims, "tokenizer_lost",
+                              f"the tokenizer handling this request ({tokenizer_id}) stopped "
+                              "responding; retry shortly")
+
+    # -- NATS -----------------------------------------------------------------------------------
+    def on_connection(self, up: bool) -> None:
+        """Cut off from NATS, the gateway cannot tell what its requests' outputs were (core NATS
+        delivers at most once: a stream would go on with a silent gap), so each fails now with
+        a 503."""
+        if up:
+            return
+        victims = self.tracker.unfinished()
+        if victims:
+            log.warning("NATS connection lost", requests=len(victims))
+        self.fail_unavailable(victims, "nats_disconnected",
+                              "the gateway lost its connection to NATS while this request ran; "
+                              "retry shortly")
+
+    def fail_unavailable(self, subs: list[SubRequest], code: str, message: str) -> None:
+        """End each of `subs` with a 503 the client may retry."""
+        for sub in subs:
+            self.tracker.deliver(ErrorOut(rid=sub.msg.rid, status=503,
+                                          err_type="service_unavailable", code=code,
+                                          message=message))

@@ -1,0 +1,223 @@
+"""Response bodies, one renderer per API: OpenAI chat, OpenAI completions, SGLang /generate.
+
+`GatewayService._run` drives any of them: `chunk` for each output while streaming (None: nothing
+to send), `tail` after the last one, or `final` for the whole body when not streaming.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from common.messages import Finish, LogprobOut, TextOut
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.gateway.tracker import SubRequest
+
+Decode = Callable[[list[int]], str]  # token ids -> text, special tokens kept
+
+
+def decoder(tokenizer_json: Path) -> Decode:
+    """Token text for logprobs and echo; the tokenizer loads on first use."""
+    loaded = []
+
+    def decode(ids: list[int]) -> str:
+        if not loaded:
+            from tokenizers import Tokenizer
+
+            loaded.append(Tokenizer.from_file(str(tokenizer_json)))
+        return loaded[0].decode(ids, skip_special_tokens=False)
+
+    return decode
+
+
+def usage(subs: list[SubRequest]) -> dict:
+    seen: set[str] = set()
+    prompt = cached = 0
+    for s in subs:  # a prompt shared by n choices counts once
+        key = s.msg.text if s.msg.text is not None else repr(s.msg.messages or s.msg.input_ids)
+        if key not in seen:
+            seen.add(key)
+            prompt += s.prompt_tokens
+            cached += s.cached_tokens
+    completion = sum(len(s.token_ids) for s in subs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _finish_reason(out: TextOut) -> str | None:
+    return None if out.finish is None else out.finish.kind
+
+
+class Renderer:
+    """What the three APIs share: the response id, the model's name, token text."""
+
+    def __init__(self, rid: str, model: str, decode: Decode) -> None:
+        self.rid = rid
+        self.model = model
+        self.decode = decode
+        self.created = int(time.time())
+
+    def chunk(self, sub: SubRequest, out: TextOut) -> dict | None:
+        raise NotImplementedError
+
+    def final(self, subs: list[SubRequest]) -> dict | list:
+        raise NotImplementedError
+
+    def tail(self, subs: list[SubRequest]) -> list[dict]:
+        return []
+
+    def token_str(self, tid: int) -> str:
+        return self.decode([tid])
+
+
+class _OpenAI(Renderer):
+    """Chat and completions: one body shape, `stream_options.include_usage` at the end."""
+
+    obj = ""
+    chunk_obj = ""
+
+    def __init__(self, rid: str, model: str, decode: Decode,
+                 req: ChatCompletionRequest | CompletionRequest) -> None:
+        super().__init__(rid, model, decode)
+        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+    def body(self, choices: list, usage: dict | None = None, obj: str | None = None) -> dict:
+        d = {"id": self.rid, "object": obj or self.chunk_obj, "created": self.created,
+             "model": self.model, "choices": choices}
+        if usage is not None:
+            d["usage"] = usage
+        return d
+
+    def tail(self, subs: list[SubRequest]) -> list[dict]:
+        return [self.body([], usage(subs))] if self.include_usage else []
+
+
+class ChatRenderer(_OpenAI):
+    chunk_obj = "chat.completion.chunk"
+
+    def __init__(self, rid: str, model: str, decode: Decode, req: ChatCompletionRequest) -> None:
+        super().__init__(rid, model, decode, req)
+        self.want_logprobs = req.logprobs
+        self.sent_role: set[int] = set()
+
+    def chunk(self, sub: SubRequest, out: TextOut) -> dict | None:
+        delta: dict = {}
+        if sub.index not in self.sent_role:  # the first chunk of each choice names the role
+            self.sent_role.add(sub.index)
+            delta = {"role": "assistant", "content": ""}
+        if out.text:
+            delta["content"] = out.text
+        reason = _finish_reason(out)
+        if not delta and not reason and not (self.want_logprobs and out.logprobs):
+            return None
+        return self.body([{"index": sub.index, "delta": delta,
+                           "logprobs": self.logprobs(out.logprobs), "finish_reason": reason}])
+
+    def final(self, subs: list[SubRequest]) -> dict:
+        choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
+                    "logprobs": self.logprobs(s.all_logprobs), "finish_reason": s.finish_reason}
+                   for s in subs]
+        return self.body(choices, usage(subs), obj="chat.completion")
+
+    def logprobs(self, lps: list[LogprobOut] | None) -> dict | None:
+        if not self.want_logprobs or lps is None:
+            return None
+        content = []
+        for lp in lps:
+            tok = self.token_str(lp.token_id)
+            content.append({
+                "token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
+                "top_logprobs": [{"token": (t := self.token_str(i)), "logprob": v,
+                                  "bytes": list(t.encode())} for i, v in lp.top],
+            })
+        return {"content": content}
+
+
+class CompletionRenderer(_OpenAI):
+    chunk_obj = "text_completion"
+
+    def __init__(self, rid: str, model: str, decode: Decode, req: CompletionRequest) -> None:
+        super().__init__(rid, model, decode, req)
+        self.want_logprobs = req.logprobs is not None
+        self.echo = req.echo
+        self.echo_done: set[int] = set()
+
+    def echo_text(self, sub: SubRequest) -> str:
+        if sub.msg.text is not None:
+            return sub.msg.text
+        return self.decode(sub.msg.input_ids or [])
+
+    def chunk(self, sub: SubRequest, out: TextOut) -> dict | None:
+        text = out.text
+        if self.echo and sub.index not in self.echo_done:
+            self.echo_done.add(sub.index)
+            text = self.echo_text(sub) + text
+        reason = _finish_reason(out)
+        if not text and not reason:
+            return None
+        return self.body([{"index": sub.index, "text": text,
+                           "logprobs": self.logprobs(out.logprobs), "finish_reason": reason}])
+
+    def final(self, subs: list[SubRequest]) -> dict:
+        choices = [{"index": s.index, "text": (self.echo_text(s) if self.echo else "") + s.text,
+                    "logprobs": self.logprobs(s.all_logprobs), "finish_reason": s.finish_reason}
+                   for s in subs]
+        return self.body(choices, usage(subs))
+
+    def logprobs(self, lps: list[LogprobOut] | None) -> dict | None:
+        if not self.want_logprobs or lps is None:
+            return None
+        tokens = [self.token_str(lp.token_id) for lp in lps]
+        offsets, pos = [], 0
+        for t in tokens:
+            offsets.append(pos)
+            pos += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self.token_str(i): v for i, v in lp.top} for lp in lps],
+                "text_offset": offsets}
+
+
+def sglang_finish(fin: Finish) -> dict:
+    """SGLang's shape: {"type": "stop", "matched": ...} / {"type": "length", "length": n}."""
+    d: dict = {"type": fin.kind}
+    if fin.matched is not None:
+        d["matched"] = fin.matched
+    if fin.message:
+        d["message"] = fin.message
+    return d
+
+
+class GenerateRenderer(Renderer):
+    """SGLang's /generate: every chunk carries the cumulative text and a `meta_info`."""
+
+    def __init__(self, rid: str, model: str, decode: Decode, req: GenerateRequest) -> None:
+        super().__init__(rid, model, decode)
+        self.want_logprobs = req.return_logprob
+        self.top_logprobs = req.top_logprobs_num
+
+    def chunk(self, sub: SubRequest, out: TextOut) -> dict | None:
+        if not out.text and out.finish is None:
+            return None
+        return self.one(sub)
+
+    def final(self, subs: list[SubRequest]) -> dict | list:
+        return self.one(subs[0]) if len(subs) == 1 else [self.one(s) for s in subs]
+
+    def one(self, sub: SubRequest) -> dict:
+        return {"text": sub.text, "output_ids": sub.token_ids, "index": sub.index,
+                "meta_info": self.meta(sub)}
+
+    def meta(self, sub: SubRequest) -> dict:
+        fin = sub.finish
+        m = {"id": sub.msg.rid, "prompt_tokens": sub.prompt_tokens,
+             "completion_tokens": len(sub.token_ids), "cached_tokens": sub.cached_tokens,
+             "finish_reason": None if fin is None else sglang_finish(fin),
+             "e2e_latency": time.monotonic() - sub.arrival}
+        if self.want_logprobs:
+            m["output_token_logprobs"] = [[lp.logprob, lp.token_id] for lp in sub.all_logprobs]
+            if self.top_logprobs:
+                m["output_top_logprobs"] = [[[v, t] for t, v in lp.top]
+                                            for lp in sub.all_logprobs]
+        return m
