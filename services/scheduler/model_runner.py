@@ -73,14 +73,21 @@ class ModelRunner:
             # about 2x float32, half the bytes per step) and costs elsewhere (bfloat16
             # elementwise work and attention have no fast CPU path): the rest stays float32.
             self.dtype = torch.float32
-        self.config = json.loads((model_path / "config.json").read_text())
-        family = model_class(self.config)  # refuses what the engine does not implement
-        self.architecture = family.__name__
-        self.max_model_len = max_model_len or int(self.config.get("max_position_embeddings", 2048))
         self.page_size = page_size
         self.backend = get_backend(attention_backend, self.device)
+        self._load(model_path, max_model_len, quantization, gguf_path)
+        self.num_blocks = self._size_pool(max_total_tokens, mem_fraction_static, cpu_memory_gib)
+        self._allocate_kv()
+
+    def _load(self, model_path: Path, max_model_len: int | None, quantization: str,
+              gguf_path: Path | None) -> None:
+        """The config, the weights, then quantized or (on CPU) packed projections."""
+        self.config = c = json.loads((model_path / "config.json").read_text())
+        family = model_class(c)  # refuses what the engine does not implement
+        self.architecture = family.__name__
+        self.max_model_len = max_model_len or int(c.get("max_position_embeddings", 2048))
         with torch.device(self.device):
-            model = family(self.config, self.backend, self.max_model_len)
+            model = family(c, self.backend, self.max_model_len)
         model.load_weights(model_path)
         self.model = model.to(self.dtype).eval()
         self.num_parameters = sum(p.numel() for p in self.model.parameters())
@@ -93,7 +100,6 @@ class ModelRunner:
         elif self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_enabled():
             self.model.pack_for_cpu(self.linear_dtype)
             self.linear_backend = "onednn"
-        c = self.config
         self.num_layers = c["num_hidden_layers"]
         self.num_kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
         self.head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
@@ -103,23 +109,23 @@ class ModelRunner:
         # copies), and those copies
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.packed_bytes = self.model.packed_bytes()
-        self.num_blocks = self._size_pool(max_total_tokens, mem_fraction_static, cpu_memory_gib)
-        slots = self.num_blocks * page_size
+        log.info(f"Weights: {(self.weight_bytes + self.packed_bytes) / (1 << 20):.0f} MiB, "
+                 f"quantization {quantization}",
+                 **(self.quantization.as_dict() if self.quantization else {}))
+
+    def _allocate_kv(self) -> None:
+        """One K and one V tensor per layer, `num_blocks` pages of `page_size` slots each."""
+        slots = self.num_blocks * self.page_size
         shape = (slots, self.num_kv_heads, self.head_dim)
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.dtype, device=self.device),
              torch.zeros(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.num_layers)
         ]
-        self.kv_bytes = 2 * self.num_layers * slots * self.num_kv_heads * self.head_dim * (
-            torch.finfo(self.dtype).bits // 8
-        )
-        log.info(f"Weights: {(self.weight_bytes + self.packed_bytes) / (1 << 20):.0f} MiB, "
-                 f"quantization {quantization}",
-                 **(self.quantization.as_dict() if self.quantization else {}))
-        log.info(f"KV cache: {slots} tokens in {self.num_blocks} blocks of {page_size} tokens, "
-                 f"{self.kv_bytes / GiB:.2f} GiB", device=str(self.device), dtype=str(self.dtype),
-                 linear_dtype=str(self.linear_dtype),
+        self.kv_bytes = slots * self.kv_bytes_per_token
+        log.info(f"KV cache: {slots} tokens in {self.num_blocks} blocks of {self.page_size} "
+                 f"tokens, {self.kv_bytes / GiB:.2f} GiB", device=str(self.device),
+                 dtype=str(self.dtype), linear_dtype=str(self.linear_dtype),
                  backend=self.backend.name, linear=self.linear_backend,
                  decode_attention=self.attention_kernel)
 
