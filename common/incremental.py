@@ -1,14 +1,21 @@
-"""Incremental detokenization of one request, with stop strings held back and trimmed.
+"""A request's text as its tokens come: incremental decoding with stop strings.
 
 `tokenizers`' DecodeStream turns one token at a time into text and waits while a multi-byte
-character is incomplete. On top of it we hold back any tail of the text that could be the
-start of a stop string, so that stop text never reaches the client.
+character is incomplete. The engine finds stop strings in this text the step they complete;
+the detokenizer and the offline `Engine` take from it what may go out, holding back any tail
+that could be the start of a stop string and trimming the one that matched. Every search
+looks only past what was already searched or emitted: with `min_tokens`, an occurrence before
+the minimum neither stops the request nor cuts its text later.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+from common.messages import Finish
 
 
 def held_back(text: str, stops: list[str]) -> int:
@@ -22,6 +29,11 @@ def held_back(text: str, stops: list[str]) -> int:
     return best
 
 
+def find_after(text: str, stop: str, start: int) -> int:
+    """Where `stop` first occurs in `text` among the occurrences that end past `start`."""
+    return text.find(stop, max(0, start - len(stop) + 1))
+
+
 class IncrementalText:
     def __init__(
         self,
@@ -29,26 +41,32 @@ class IncrementalText:
         stops: list[str] | None,
         skip_special_tokens: bool = True,
         include_stop: bool = False,
+        prior: Iterable[int] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.stops = stops or []
         self.include_stop = include_stop
         self.text = ""  # everything decoded so far
-        self.sent = 0  # how much of it the client has
+        self.sent = 0  # how much of it has gone out
+        self.push(prior)
 
-    def push(self, token_ids: list[int]) -> None:
+    def push(self, token_ids: Iterable[int]) -> None:
         for t in token_ids:
             piece = self.stream.step(self.tokenizer, t)
             if piece:
                 self.text += piece
 
+    def match(self, since: int) -> str | None:
+        """The first stop string (in the request's order) that completes past `since`."""
+        return next((s for s in self.stops if find_after(self.text, s, since) >= 0), None)
+
     def take(self, finished: bool, matched_stop: str | None) -> str:
-        """The text that may go to the client now."""
+        """The text that may go out now."""
         end = len(self.text)
         if matched_stop:
-            at = self.text.find(matched_stop, max(0, self.sent - len(matched_stop) + 1))
-            if at < 0:
+            at = find_after(self.text, matched_stop, self.sent)
+            if at < 0:  # cannot happen while both decodes agree; never leak the stop text
                 at = self.text.find(matched_stop)
             if at >= 0:
                 end = at + len(matched_stop) if self.include_stop else at
@@ -58,3 +76,8 @@ class IncrementalText:
         out = self.text[self.sent : end]
         self.sent = end
         return out
+
+    def take_output(self, finish: Finish | None) -> str:
+        """`take` for an engine output that ends with `finish` (None: the request goes on)."""
+        matched = finish.matched if finish is not None and finish.kind == "stop" else None
+        return self.take(finish is not None, matched if isinstance(matched, str) else None)

@@ -130,7 +130,6 @@ class TokenOut(msgspec.Struct, omit_defaults=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     queue_time: float | None = None  # seconds between arrival at the scheduler and first step
-    prefill_tokens: int = 0
     retractions: int = 0
     # First output of a request resumed after tokens the client already has (moved off a dead
     # scheduler): the detokenizer decodes them again for left context, so its text restarts

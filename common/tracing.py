@@ -189,15 +189,6 @@ def trace_id(headers: Mapping[str, str] | None) -> str | None:
     return tp[3:35]
 
 
-def current_trace_id() -> str | None:
-    if _tracer is None:
-        return None
-    from opentelemetry import trace
-
-    sc = trace.get_current_span().get_span_context()
-    return f"{sc.trace_id:032x}" if sc.is_valid else None
-
-
 # -- spans --------------------------------------------------------------------------------------
 def _kind(kind: str):
     from opentelemetry.trace import SpanKind

@@ -10,8 +10,8 @@
 
 No NATS and no services: the same `EngineCore` the scheduler service runs, stepped in a loop
 until every request is done. Requests finish out of order inside; results come back in input
-order. Text is decoded from the final token ids with the model's tokenizer, and a matched stop
-string is trimmed as the detokenizer service does, so the text equals what the server returns.
+order. Text is decoded as the outputs come, by the same incremental decoder the detokenizer
+service runs (`common/incremental.py`), so it equals what the server returns.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from typing import Any
 import msgspec
 
 from common.config import ServerArgs, check_device
-from common.messages import AbortReq, Finish, SamplingParams, TokenizedReq, TokenOut
+from common.incremental import IncrementalText
+from common.messages import AbortReq, SamplingParams, TokenizedReq, TokenOut
 
 # vLLM's and OpenAI's default when nothing is asked for: a short completion, not the context.
 DEFAULT_MAX_TOKENS = 16
@@ -149,9 +150,12 @@ class Engine:
         from tqdm.auto import tqdm
 
         by_rid = {f"{tag}{o.index}": o for o in outputs}
+        texts: dict[str, IncrementalText] = {}
         now = time.perf_counter()
         for (rid, out), p in zip(by_rid.items(), params, strict=True):
             out.arrival_time = now
+            texts[rid] = IncrementalText(self.tokenizer, p.stop, p.skip_special_tokens,
+                                         p.include_stop_str_in_output)
             self.core.submit(TokenizedReq(rid=rid, gateway_id="offline",
                                           input_ids=out.prompt_token_ids, params=p))
         pending = set(by_rid)
@@ -167,7 +171,7 @@ class Engine:
                     if out is None:
                         continue  # another generate call's leftovers cannot happen; be safe
                     generated += len(msg.token_ids)
-                    if self._absorb(out, msg, now, params[out.index]):
+                    if self._absorb(out, msg, now, texts[msg.rid]):
                         pending.discard(msg.rid)
                         bar.update(1)
                 if step_outs and use_tqdm:
@@ -182,7 +186,7 @@ class Engine:
             raise RuntimeError(f"engine idle with {len(pending)} requests unfinished")
         return outputs
 
-    def _absorb(self, out: Output, msg: TokenOut, now: float, params: SamplingParams) -> bool:
+    def _absorb(self, out: Output, msg: TokenOut, now: float, text: IncrementalText) -> bool:
         """Fold one step's output into `out`; True when the request is done."""
         if msg.token_ids and out.first_token_time is None:
             out.first_token_time = now
@@ -190,24 +194,16 @@ class Engine:
         out.cached_tokens = msg.cached_tokens
         if msg.prompt_tokens:
             out.prompt_tokens = msg.prompt_tokens
+        text.push(msg.token_ids)
+        out.text += text.take_output(msg.finish)
         if msg.finish is None:
             return False
         out.finish_time = now
-        self._finish(out, msg.finish, params)
+        out.finish_reason = msg.finish.kind
+        out.matched_stop = msg.finish.matched
+        if msg.finish.kind in ("error", "abort"):
+            out.error = msg.finish.message
         return True
-
-    def _finish(self, out: Output, finish: Finish, params: SamplingParams) -> None:
-        out.finish_reason = finish.kind
-        out.matched_stop = finish.matched
-        if finish.kind in ("error", "abort"):
-            out.error = finish.message
-        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=params.skip_special_tokens)
-        if finish.kind == "stop" and isinstance(finish.matched, str):
-            at = text.find(finish.matched)
-            if at >= 0:
-                text = text[: at + len(finish.matched) if params.include_stop_str_in_output
-                            else at]
-        out.text = text
 
     def _abort_pending(self, pending: set[str]) -> None:
         """Interrupted: abort what is left and run the engine dry, so it stays usable."""

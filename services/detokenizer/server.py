@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
 from common import tracing
 from common.config import ServerArgs
+from common.incremental import IncrementalText
 from common.logging import get_logger
 from common.messages import (
     AbortReq,
@@ -21,11 +24,18 @@ from common.messages import (
 )
 from common.modelstore import model_info, prepare_model
 from common.service import Service
-from services.detokenizer.incremental import IncrementalText
 
 log = get_logger("detokenizer")
 
 STALE_S = 600.0
+
+
+@dataclass
+class Decoding:
+    """One request's text on its way out, and when its scheduler last sent tokens."""
+
+    text: IncrementalText
+    last_seen: float
 
 
 class DetokenizerService(Service):
@@ -38,8 +48,7 @@ class DetokenizerService(Service):
         self.tokenizer = Tokenizer.from_file(str(info.tokenizer_json))
         # One state per (request, scheduler): a request moved to another scheduler restarts its
         # text there, and late output of the one it left never mixes into it.
-        self.states: dict[tuple[str, str], IncrementalText] = {}
-        self.last_seen: dict[tuple[str, str], float] = {}
+        self.states: dict[tuple[str, str], Decoding] = {}
         self.spans: dict = {}  # rid -> its open `detokenize` span (tracing on only)
         self.traced = False
 
@@ -61,12 +70,10 @@ class DetokenizerService(Service):
         if isinstance(msg, AbortReq):
             if msg.abort_all:
                 self.states.clear()
-                self.last_seen.clear()
             elif msg.rid:
                 for key in [k for k in self.states if k[0] == msg.rid
                             and msg.scheduler_id in (None, k[1])]:
-                    self.states.pop(key, None)
-                    self.last_seen.pop(key, None)
+                    del self.states[key]
                 if msg.scheduler_id is not None:
                     return  # moved off that scheduler: the request itself goes on
             for rid in list(self.spans) if msg.abort_all else [msg.rid] if msg.rid else []:
@@ -82,21 +89,17 @@ class DetokenizerService(Service):
             key = (item.rid, msg.scheduler_id)
             state = self.states.get(key)
             if state is None or item.prior_ids is not None:
-                state = IncrementalText(self.tokenizer, item.stop, item.skip_special_tokens,
-                                        item.include_stop_str_in_output)
-                # A resumed request: decode its earlier tokens again (a fresh DecodeStream has
+                # A resumed request decodes its earlier tokens again (a fresh DecodeStream has
                 # no left context); the text restarts from the beginning, the gateway trims it.
-                state.push(item.prior_ids or [])
+                state = Decoding(IncrementalText(
+                    self.tokenizer, item.stop, item.skip_special_tokens,
+                    item.include_stop_str_in_output, prior=item.prior_ids or []), now)
                 self.states[key] = state
-            state.push(item.token_ids)
-            finished = item.finish is not None
-            matched = item.finish.matched if finished and item.finish.kind == "stop" else None
-            text = state.take(finished, matched if isinstance(matched, str) else None)
-            if finished:
-                self.states.pop(key, None)
-                self.last_seen.pop(key, None)
-            else:
-                self.last_seen[key] = now
+            state.text.push(item.token_ids)
+            state.last_seen = now
+            text = state.text.take_output(item.finish)
+            if item.finish is not None:
+                del self.states[key]
             by_gateway[item.gateway_id].append(TextOut(
                 rid=item.rid,
                 text=text,
@@ -142,7 +145,6 @@ class DetokenizerService(Service):
             rids = sorted({rid for rid, _ in self.states})
             log.warning("forgetting requests after a NATS outage", requests=len(rids))
             self.states.clear()
-            self.last_seen.clear()
             self.spawn(self._abort(rids, "the detokenizer lost its connection to NATS"))
 
     async def _abort(self, rids: list[str], reason: str) -> None:
@@ -151,12 +153,9 @@ class DetokenizerService(Service):
 
     async def _sweep(self) -> None:
         """Drop state of requests nobody has sent tokens for in a long time (a dead scheduler)."""
-        import asyncio
-
         while True:
             await asyncio.sleep(30)
             cutoff = time.monotonic() - STALE_S
-            for key in [k for k, t in self.last_seen.items() if t < cutoff]:
-                self.states.pop(key, None)
-                self.last_seen.pop(key, None)
+            for key in [k for k, d in self.states.items() if d.last_seen < cutoff]:
+                del self.states[key]
                 self._end_span(key[0], Finish(kind="error", message="no output for too long"))

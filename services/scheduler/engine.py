@@ -18,13 +18,14 @@ from pathlib import Path
 import torch
 
 from common.config import ServerArgs
+from common.incremental import IncrementalText
 from common.logging import get_logger
 from common.messages import AbortReq, Finish, KvEvent, LogprobOut, TokenizedReq, TokenOut
 from common.modelstore import gguf_source, model_info, prepare_model
 from services.scheduler.grammar import GrammarCompiler, GrammarError, XGrammarBackend
 from services.scheduler.kv_pool import BlockPool
 from services.scheduler.model_runner import ModelRunner
-from services.scheduler.request import Request, Status
+from services.scheduler.request import Request
 from services.scheduler.sampler import SampleRow, needs_counts, sample
 from services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 
@@ -47,30 +48,6 @@ class StepStats:
     sample_s: float = 0.0
     mask_s: float = 0.0  # of sample_s: filling and applying grammar bitmasks
     num_masked: int = 0  # rows masked by a grammar
-
-
-class _StopText:
-    """Incremental text of a request with stop strings, to find a match the step it happens."""
-
-    def __init__(self, tokenizer, skip_special: bool, prior: list[int]) -> None:
-        from tokenizers.decoders import DecodeStream
-
-        self.tokenizer = tokenizer
-        self.stream = DecodeStream(skip_special_tokens=skip_special)
-        self.text = ""
-        for t in prior:
-            self.push(t)
-
-    def push(self, token: int) -> None:
-        piece = self.stream.step(self.tokenizer, token)
-        if piece:
-            self.text += piece
-
-    def find(self, stops: list[str], before: int) -> str | None:
-        for s in stops:
-            if self.text.find(s, max(0, before - len(s) + 1)) >= 0:
-                return s
-        return None
 
 
 class EngineCore:
@@ -119,9 +96,6 @@ class EngineCore:
         self.tombstones: dict[str, float] = {}
         self._inbox: deque[TokenizedReq | AbortReq] = deque()
         self._lock = threading.Lock()
-        self._counts: dict[str, torch.Tensor] = {}  # rid -> [V] output token counts
-        self._seen: dict[str, torch.Tensor] = {}  # rid -> [V] bool, prompt and output tokens
-        self._stop_text: dict[str, _StopText] = {}
         self.num_steps = 0
         self.num_aborted_total = 0
         self.prompt_tokens_total = 0
@@ -139,6 +113,19 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return bool(self._inbox) or bool(self.compiling) or self.scheduler.has_work()
+
+    def num_queued(self) -> int:
+        """What waits: requests not yet scheduled, and the inbox no step has read yet."""
+        return len(self.scheduler.waiting) + len(self._inbox)
+
+    def fail_all(self, message: str) -> list[TokenOut]:
+        """After an unexpected failure, end every request with an error, freeing its blocks."""
+        outs = []
+        for req in list(self.requests.values()):
+            if not req.is_finished:
+                self.scheduler.finish(req, Finish(kind="error", message=message, status=500))
+            outs.append(self._finish_out(req))
+        return outs
 
     @property
     def tokenizer(self):
@@ -186,33 +173,32 @@ class EngineCore:
             self.tombstones = {r: t for r, t in self.tombstones.items() if t > now}
 
     def _add(self, msg: TokenizedReq, outputs: list[TokenOut], now: float) -> None:
-        if msg.rid in self.tombstones:
-            self.num_aborted_total += 1
-            del self.tombstones[msg.rid]
-            # Aborted before it got here: nothing is allocated, but its end is still reported,
-            # so the service forgets what it kept for it and its trace says it was aborted.
-            req = Request.from_msg(msg)
-            req.status = Status.FINISHED
-            req.finish = Finish(kind="abort", message="aborted before scheduling", status=499)
-            outputs.append(self._finish_out(req))
-            return
         if msg.rid in self.requests:
             return  # a duplicate delivery
         req = Request.from_msg(msg)
         req.arrival_time = now
-        error = self._validate(req)
-        self.requests[req.rid] = req
-        if error:
-            req.status = Status.FINISHED
-            req.finish = Finish(kind="error", message=error, status=400)
-            outputs.append(self._finish_out(req))
+        if self.tombstones.pop(msg.rid, None) is not None:
+            # Aborted before it got here: nothing is allocated, but its end is still reported,
+            # so the service forgets what it kept for it and its trace says it was aborted.
+            self.num_aborted_total += 1
+            refusal = Finish(kind="abort", message="aborted before scheduling", status=499)
+        elif (error := self._validate(req)) is not None:
+            refusal = Finish(kind="error", message=error, status=400)
+        else:
+            self._admit(req, outputs)
             return
+        self.scheduler.finish(req, refusal)
+        outputs.append(self._finish_out(req))
+
+    def _admit(self, req: Request, outputs: list[TokenOut]) -> None:
+        """Give the request its per-request state and queue it."""
+        self.requests[req.rid] = req
         if needs_counts(req.params):
             self._init_penalty_state(req)
         if req.params.stop:
-            self._stop_text[req.rid] = _StopText(
-                self.tokenizer, req.params.skip_special_tokens, req.output_ids
-            )
+            req.stop_text = IncrementalText(self.tokenizer, req.params.stop,
+                                            req.params.skip_special_tokens,
+                                            prior=req.output_ids)
         self.prompt_tokens_total += len(req.prompt_ids)
         if req.params.structured_outputs is not None:
             try:
@@ -220,7 +206,7 @@ class EngineCore:
             except GrammarError as exc:
                 self._fail_grammar(req, exc, outputs)
                 return
-            req.status = Status.WAITING_FOR_GRAMMAR
+            self.scheduler.hold(req)
             self.compiling.append(req)
             return
         self.scheduler.add(req)
@@ -361,8 +347,8 @@ class EngineCore:
             params=p,
             seed=req.seed,
             position=req.num_tokens,
-            output_counts=self._counts.get(req.rid),
-            seen_mask=self._seen.get(req.rid),
+            output_counts=req.output_counts,
+            seen_mask=req.seen_mask,
             suppress=suppress,
         )
 
@@ -374,17 +360,17 @@ class EngineCore:
         for t in req.output_ids:
             counts[t] += 1
             seen[t] = True
-        self._counts[req.rid] = counts
-        self._seen[req.rid] = seen
+        req.output_counts = counts
+        req.seen_mask = seen
 
     def _append_token(self, req: Request, token: int, logprob: LogprobOut | None) -> None:
         req.output_ids.append(token)
         self.generation_tokens_total += 1
         if logprob is not None:
             req.pending_logprobs.append(logprob)
-        if req.rid in self._counts:
-            self._counts[req.rid][token] += 1
-            self._seen[req.rid][token] = True
+        if req.output_counts is not None:
+            req.output_counts[token] += 1
+            req.seen_mask[token] = True
         finish = self._check_grammar(req, token) or self._check_stop(req, token)
         if finish is not None:
             self.scheduler.finish(req, finish)
@@ -410,11 +396,10 @@ class EngineCore:
             return Finish(kind="stop", matched=token)
         if past_min and not p.ignore_eos and token in self.eos_ids:
             return Finish(kind="stop")
-        stop_text = self._stop_text.get(req.rid)
-        if stop_text is not None:
-            before = len(stop_text.text)
-            stop_text.push(token)
-            if past_min and (matched := stop_text.find(p.stop, before)) is not None:
+        if req.stop_text is not None:
+            before = len(req.stop_text.text)
+            req.stop_text.push([token])
+            if past_min and (matched := req.stop_text.match(before)) is not None:
                 return Finish(kind="stop", matched=matched)
         limit = p.max_new_tokens if p.max_new_tokens is not None else self.max_model_len
         if req.num_generated >= limit or req.num_tokens >= self.max_model_len:
@@ -461,9 +446,7 @@ class EngineCore:
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.rid, None)
-        self._counts.pop(req.rid, None)
-        self._seen.pop(req.rid, None)
-        self._stop_text.pop(req.rid, None)
+        req.output_counts = req.seen_mask = req.stop_text = None
 
     # -- books ----------------------------------------------------------------------------------
     def flush_cache(self) -> tuple[bool, str]:

@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING
 from common.messages import Finish, SamplingParams, TokenizedReq
 
 if TYPE_CHECKING:
+    import torch
+
+    from common.incremental import IncrementalText
     from services.scheduler.grammar import GrammarJob, Matcher
 
 
@@ -62,6 +65,11 @@ class Request:
     # exactly output_ids, through retraction too)
     grammar_job: GrammarJob | None = None
     matcher: Matcher | None = None
+    # penalties' state, only for a request that has penalties: [V] output token counts, and
+    # [V] whether a token is in the prompt or the output
+    output_counts: torch.Tensor | None = None
+    seen_mask: torch.Tensor | None = None
+    stop_text: IncrementalText | None = None  # only for a request with stop strings
 
     def __post_init__(self) -> None:
         # An unseeded request still gets a fixed seed, so retraction never changes its text.
@@ -101,7 +109,3 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
-
-    def token_at(self, i: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[i] if i < n else self.output_ids[i - n]

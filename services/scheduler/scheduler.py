@@ -71,6 +71,10 @@ class Scheduler:
         req.status = Status.WAITING  # new, or its grammar just compiled
         self.waiting.append(req)
 
+    def hold(self, req: Request) -> None:
+        """Known but not yet schedulable: its grammar is still compiling (`add` when done)."""
+        req.status = Status.WAITING_FOR_GRAMMAR
+
     def remove(self, req: Request) -> None:
         """Take a request out of whichever queue holds it (abort or error)."""
         if req.status is Status.RUNNING:

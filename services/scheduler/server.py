@@ -11,6 +11,7 @@ import time
 import zlib
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from common import tracing
 from common.config import ServerArgs
@@ -39,6 +40,16 @@ from services.scheduler.spans import SchedulerSpans
 log = get_logger("scheduler")
 
 
+@dataclass
+class Route:
+    """Where a request's messages go, from its arrival until its end is published."""
+
+    gateway_id: str
+    headers: dict[str, str]  # its trace context, for log lines
+    detokenizer_id: str | None = None  # chosen at its first output, kept for its whole life
+    failed: bool = False  # the gateway was told it failed; its abort is under way
+
+
 class SchedulerService(Service):
     name = "scheduler"
 
@@ -54,14 +65,11 @@ class SchedulerService(Service):
         self.wake = asyncio.Event()
         self.step_lock = asyncio.Lock()
         self.peers = PeerTable(args.heartbeat_timeout)  # the detokenizers' heartbeats
-        self.route: dict[str, str] = {}  # rid -> detokenizer id, for the request's whole life
-        self.gateway_of: dict[str, str] = {}  # rid -> gateway id, while the request lives
+        self.routes: dict[str, Route] = {}  # rid -> its route, while the request lives here
         # (time, rid, gateway id, detokenizer id) of requests that ended lately: their last
         # output may have gone to a detokenizer that died before passing it on
         self.ended: deque[tuple[float, str, str, str]] = deque()
-        self.failed: set[str] = set()  # told the gateway it failed; its abort is under way
         self.detokenizer_seen = asyncio.Event()
-        self.headers: dict[str, dict[str, str]] = {}
         self.spans: SchedulerSpans | None = None  # set up only when tracing is on
         self._seen_step: StepStats | None = None
         self._stats_since: float | None = None  # start of the stats line's window (busy)
@@ -93,7 +101,7 @@ class SchedulerService(Service):
     async def on_request(self, msg: Message, headers: dict[str, str]) -> None:
         if not isinstance(msg, TokenizedReq):
             return
-        queued = len(self.engine.scheduler.waiting) + len(self.engine._inbox)
+        queued = self.engine.num_queued()
         if queued >= self.args.max_queued_requests:
             await self.bus.publish(self.subjects.gateway(msg.gateway_id), ErrorOut(
                 rid=msg.rid, status=503, err_type="server_overloaded", code="queue_full",
@@ -101,8 +109,7 @@ class SchedulerService(Service):
                         f"(--max-queued-requests {self.args.max_queued_requests}); retry later",
             ))
             return
-        self.headers[msg.rid] = headers
-        self.gateway_of[msg.rid] = msg.gateway_id
+        self.routes[msg.rid] = Route(msg.gateway_id, headers)
         if self.spans is not None:
             self.spans.arrive(msg, headers)
         self.engine.submit(msg)
@@ -168,7 +175,7 @@ class SchedulerService(Service):
                     outputs = await loop.run_in_executor(self.worker, self.engine.step)
                 except Exception:  # noqa: BLE001 - a failed step must not kill the service
                     log.exception("engine step failed")
-                    outputs = self._fail_all("internal error in the engine step")
+                    outputs = self.engine.fail_all("internal error in the engine step")
                 t1 = time.time_ns()
                 await self._publish_kv_events()
             if self.engine.last_step is not self._seen_step:
@@ -184,18 +191,6 @@ class SchedulerService(Service):
             self._maybe_log_stats()
             await asyncio.sleep(0)  # let NATS callbacks run between steps
 
-    def _fail_all(self, message: str) -> list[TokenOut]:
-        """After an unexpected engine failure, end every request with an error, freeing blocks."""
-        from common.messages import Finish
-
-        outs = []
-        for req in list(self.engine.requests.values()):
-            if not req.is_finished:
-                self.engine.scheduler.finish(req, Finish(kind="error", message=message,
-                                                         status=500))
-            outs.append(self.engine._finish_out(req))
-        return outs
-
     async def _publish(self, outputs: list[TokenOut]) -> None:
         by_detok: dict[str, list[TokenOut]] = defaultdict(list)
         now = time.monotonic()
@@ -204,17 +199,14 @@ class SchedulerService(Service):
             if detok_id is None:
                 await self._fail(out.rid, out.gateway_id, out.finish is None,
                                  "no detokenizer is alive to decode this request", "no_detokenizer")
-            elif out.rid not in self.failed:
+            elif not self._failed(out.rid):
                 by_detok[detok_id].append(out)
             if out.finish is not None:
                 if detok_id is not None:
                     self.ended.append((now, out.rid, out.gateway_id, detok_id))
-                self.failed.discard(out.rid)
-                self.gateway_of.pop(out.rid, None)
-                self.route.pop(out.rid, None)
-                headers = self.headers.pop(out.rid, None)
+                route = self.routes.pop(out.rid, None)
                 if out.finish.kind in ("abort", "error"):
-                    self._log_end(out, headers)
+                    self._log_end(out, route.headers if route is not None else None)
         self._forget_old_ends()
         for detok_id, items in by_detok.items():
             await self.bus.publish(
@@ -233,15 +225,20 @@ class SchedulerService(Service):
         return headers or None
 
     def _detokenizer_for(self, rid: str) -> str | None:
-        current = self.route.get(rid)
-        if current is not None:
-            return current  # until it is declared lost (`_on_detokenizer_lost`)
+        route = self.routes.get(rid)
+        if route is not None and route.detokenizer_id is not None:
+            return route.detokenizer_id  # until it is declared lost (`_on_detokenizer_lost`)
         alive = self.peers.alive_ids("detokenizer")
         if not alive:
             return None
         chosen = alive[zlib.crc32(rid.encode()) % len(alive)]
-        self.route[rid] = chosen
+        if route is not None:
+            route.detokenizer_id = chosen
         return chosen
+
+    def _failed(self, rid: str) -> bool:
+        route = self.routes.get(rid)
+        return route is not None and route.failed
 
     # -- detokenizer loss -----------------------------------------------------------------------
     def _forget_old_ends(self) -> None:
@@ -261,26 +258,25 @@ class SchedulerService(Service):
         could not continue the text without a gap, so the request ends with a 503 (freeing its
         blocks), and so does one whose last output may have died with it."""
         self._forget_old_ends()
-        running = [(rid, self.gateway_of.get(rid)) for rid, d in self.route.items()
-                   if d == detok_id]
+        running = [(rid, r) for rid, r in self.routes.items() if r.detokenizer_id == detok_id]
         ended = [(rid, gw) for _, rid, gw, d in self.ended if d == detok_id]
         if running or ended:
             log.warning("detokenizer lost", detokenizer_id=detok_id, requests=len(running))
         message = f"the detokenizer decoding this request ({detok_id}) stopped responding"
-        for rid, gateway_id in running:
-            self.route.pop(rid, None)
-            if gateway_id is not None:
-                await self._fail(rid, gateway_id, True, message, "detokenizer_lost")
+        for rid, route in running:
+            route.detokenizer_id = None
+            await self._fail(rid, route.gateway_id, True, message, "detokenizer_lost")
         for rid, gateway_id in ended:  # a gateway that did get the end ignores this
             await self._fail(rid, gateway_id, False, message, "detokenizer_lost")
 
     async def _fail(self, rid: str, gateway_id: str, abort: bool, message: str,
                     code: str) -> None:
         """Tell the gateway directly (no detokenizer in between) and stop the request."""
-        if rid in self.failed:
+        if self._failed(rid):
             return
         if abort:
-            self.failed.add(rid)
+            if (route := self.routes.get(rid)) is not None:
+                route.failed = True
             self.engine.abort(AbortReq(rid=rid, reason=message))
             self.wake.set()
         await self.bus.publish(self.subjects.gateway(gateway_id), ErrorOut(
@@ -291,6 +287,9 @@ class SchedulerService(Service):
     def stats(self) -> StatsOut:
         s = StatsOut(service=self.name, instance_id=self.instance_id, time=time.time(),
                      kv_events_seq=self.kv_seq, **self.engine.stats())
+        # a request has a route from its arrival until its end is published, so the routes
+        # cover the engine's table too: both are empty when the larger one is
+        s.in_flight = max(s.in_flight, len(self.routes))
         s.info = self.engine.server_info()
         return s
 
@@ -328,7 +327,8 @@ class SchedulerService(Service):
 
     def _log_retractions(self, step: StepStats) -> None:
         for rid in step.retracted_rids:
-            request_logger(rid, tracing.trace_id(self.headers.get(rid))).info(
+            route = self.routes.get(rid)
+            request_logger(rid, tracing.trace_id(route.headers if route else None)).info(
                 "request retracted", reason="KV cache full; resumes by recomputation")
 
     def _log_end(self, out: TokenOut, headers: dict[str, str] | None) -> None:

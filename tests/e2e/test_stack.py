@@ -173,6 +173,30 @@ async def test_stop_string_spanning_tokens_never_reaches_the_client(stack, smol_
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
 
+async def test_min_tokens_past_an_early_stop_string_offline_text_equals_the_server(stack):
+    """min_tokens keeps generating past an occurrence of the stop string that comes before the
+    minimum: the request stops at a later one, in the server and in the offline Engine alike."""
+    from tokenline import Engine
+
+    engine = Engine(None, max_total_tokens=2048)
+    prompt = engine.tokenizer.encode("The capital of France is").ids
+    greedy = dict(temperature=0.0, max_new_tokens=40)
+    free = engine.generate([prompt], greedy, use_tqdm=False)[0]
+    ids, min_tokens = free.token_ids, 8
+    before_min = engine.tokenizer.decode(ids[: min_tokens - 1])  # tokens that cannot stop it
+    stop = next(c for c in before_min if not c.isspace() and c in free.text[len(before_min):])
+    want = free.text[: free.text.index(stop, len(before_min))]
+    assert stop in want  # the early occurrence stays in the text
+    body = dict(prompt=prompt, temperature=0, max_tokens=40, min_tokens=min_tokens, stop=[stop])
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{stack.url}/v1/completions", json=body) as r:
+            server = (await r.json())["choices"][0]
+    offline = engine.generate([prompt], {**greedy, "min_tokens": min_tokens, "stop": [stop]},
+                              use_tqdm=False)[0]
+    assert server["finish_reason"] == offline.finish_reason == "stop"
+    assert server["text"] == offline.text == want
+
+
 async def test_n_choices_count_the_prompt_once_and_differ_reproducibly(stack):
     body = dict(messages=[{"role": "user", "content": "Say a random word."}], temperature=1.0,
                 max_tokens=8, n=4, seed=7)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer
 
-from services.detokenizer.incremental import IncrementalText, held_back
+from common.incremental import IncrementalText, held_back
 
 
 @pytest.fixture(scope="module")
