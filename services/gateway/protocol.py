@@ -5,6 +5,7 @@ Unknown fields are ignored, as vLLM does. Every error names the field it is abou
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from typing import Annotated, Any
@@ -214,6 +215,22 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
         except APIError as exc:
             exc.param = f"sampling_params.{exc.param}" if exc.param else exc.param
             raise
+
+
+def abort_target(body: bytes) -> str | None:
+    """/abort_request's body: the rid to abort, or None for `abort_all: true`."""
+    try:
+        data = json.loads(body or b"{}")
+    except (ValueError, UnicodeDecodeError):
+        raise APIError("the body is not valid JSON", None) from None
+    if not isinstance(data, dict):
+        raise APIError("the body must be a JSON object", None)
+    if data.get("abort_all") is True:
+        return None
+    rid = data.get("rid")
+    if not isinstance(rid, str) or not rid:
+        raise APIError("give `rid` (a string) or `abort_all: true`", "rid")
+    return rid
 
 
 def check_model(asked: str | None, served: str) -> None:

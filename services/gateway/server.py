@@ -8,7 +8,6 @@ shaped in `render.py`, request bodies checked in `protocol.py`, lost stages hand
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections.abc import AsyncIterator
 
@@ -41,6 +40,7 @@ from services.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerateRequest,
+    abort_target,
     check_model,
     decode_body,
     error_body,
@@ -219,21 +219,11 @@ class GatewayService(Service):
         return _json(spec(self.model_name, api_key=bool(self.args.api_key)))
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await request.read()
-        try:
-            data = json.loads(body or b"{}")
-        except (ValueError, UnicodeDecodeError):
-            raise APIError("the body is not valid JSON", None) from None
-        if not isinstance(data, dict):
-            raise APIError("the body must be a JSON object", None)
-        if data.get("abort_all") is True:
+        rid = abort_target(await request.read())
+        if rid is None:
             await self.bus.publish(self.subjects.abort, AbortReq(abort_all=True,
                                                                  reason="aborted by operator"))
-            return _json({"success": True})
-        rid = data.get("rid")
-        if not isinstance(rid, str) or not rid:
-            raise APIError("give `rid` (a string) or `abort_all: true`", "rid")
-        for sub_rid in self.tracker.rids(rid):
+        for sub_rid in self.tracker.rids(rid) if rid is not None else []:
             await self.bus.publish(self.subjects.abort, AbortReq(rid=sub_rid,
                                                                  reason="aborted by request"))
         return _json({"success": True})
