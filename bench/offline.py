@@ -480,6 +480,87 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _printed(result: Result) -> Result:
+    print(f"  {result.system}: {result.seconds:.1f} s, {result.tokens_per_s:.1f} tok/s",
+          flush=True)
+    return result
+
+
+def _engine_flags(args: argparse.Namespace) -> dict[str, Any]:
+    flags = {k: getattr(args, k) for k in ("max_total_tokens", "max_running_requests",
+                                           "chunked_prefill_size", "max_prefill_tokens",
+                                           "page_size", "dtype")
+             if getattr(args, k) is not None}
+    if args.quick:  # a small pool: the default one (GiBs) takes longer to allocate than to use
+        flags.setdefault("max_total_tokens", QUICK_POOL_TOKENS)
+    return flags
+
+
+def _header(args: argparse.Namespace, path: Path, requests: list, machine: Machine) -> str:
+    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
+    output_tokens = sum(r.max_tokens for r in requests)
+    return (f"workload {Path(args.workload).name}{' (quick)' if args.quick else ''}: "
+            f"{len(requests)} requests, {prompt_tokens} prompt + {output_tokens} output tokens "
+            f"(greedy, EOS ignored); model {path.name}, float32, "
+            f"{torch.get_num_threads()} torch threads, "
+            f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}"
+            f"\nmachine: float32 matmul {machine.flops_per_s / 1e9:.0f} GFLOP/s (torch/MKL), "
+            + (f"{machine.onednn_flops_per_s / 1e9:.0f} GFLOP/s (oneDNN), "
+               if machine.onednn_flops_per_s else "")
+            + f"memory {machine.bytes_per_s / 1e9:.0f} GB/s")
+
+
+def _run_ours(args: argparse.Namespace, requests: list, modes: list[str],
+              engine_flags: dict[str, Any]
+              ) -> tuple[list[Result], DecodeTiming | None, dict[str, list[list[int]]]]:
+    """Each batching mode in-process, then the stack if asked; the decode steps to time."""
+    results: list[Result] = []
+    timing: DecodeTiming | None = None
+    ours: dict[str, list[list[int]]] = {}
+    for mode in modes:
+        result, t, tokens = run_tokenline(args.model, requests, mode, engine_flags, args.progress)
+        results.append(_printed(result))
+        ours[mode] = tokens
+        if mode == "continuous" or timing is None:  # the continuous run's steps if there is one
+            timing = t
+    if args.json_schema:
+        schema = TYPICAL_SCHEMA if args.json_schema == "typical" else json.loads(
+            Path(args.json_schema).read_text())
+        result, t, _ = run_tokenline(args.model, requests, "continuous", engine_flags,
+                                     args.progress, schema)
+        if t.mask_seconds:
+            result.extra.update(mask_batch=t.batch, mask_steps=len(t.mask_seconds),
+                                mask_ms_median=1000 * statistics.median(t.mask_seconds))
+        results.append(_printed(result))
+    if args.with_stack:
+        stack_flags = {**engine_flags, **({"num_threads": args.threads} if args.threads else {})}
+        results.append(_printed(run_stack(args.model, requests, stack_flags)))
+    return results, timing, ours
+
+
+def _run_hf(args: argparse.Namespace, path: Path, requests: list, hf_sizes: list[int],
+            ours: dict[str, list[list[int]]]) -> tuple[list[Result], dict[str, Any]]:
+    """transformers at each static batch size and continuous; agreement at batch 1."""
+    results: list[Result] = []
+    agreement: dict[str, Any] = {}
+    model = load_hf_model(path)
+    for size in hf_sizes:
+        result, tokens = run_hf_static(model, requests, size, args.progress)
+        results.append(result)
+        if size == 1 and ours:
+            mine = ours.get("continuous") or next(iter(ours.values()))
+            same = sum(a == b for a, b in zip(mine, tokens, strict=True))
+            agreement = {"requests": len(requests), "identical": same}
+            result.extra["identical_to_tokenline"] = same
+        _printed(result)
+    if not args.no_hf_continuous:
+        result, _ = run_hf_continuous(model, requests, args.hf_max_batch_tokens, args.progress)
+        results.append(_printed(result))
+    del model
+    gc.collect()
+    return results, agreement
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -500,75 +581,15 @@ def main(argv: list[str] | None = None) -> int:
     requests = load_workload(args.workload, args.num_prompts, path / "tokenizer.json", args.quick)
     if not requests:
         parser.error(f"{args.workload}: no requests")
-    engine_flags = {k: getattr(args, k) for k in ("max_total_tokens", "max_running_requests",
-                                                  "chunked_prefill_size", "max_prefill_tokens",
-                                                  "page_size", "dtype")
-                    if getattr(args, k) is not None}
-    if args.quick:  # a small pool: the default one (GiBs) takes longer to allocate than to use
-        engine_flags.setdefault("max_total_tokens", QUICK_POOL_TOKENS)
-    prompt_tokens = sum(len(r.prompt_ids) for r in requests)
-    output_tokens = sum(r.max_tokens for r in requests)
-    header = (f"workload {Path(args.workload).name}{' (quick)' if args.quick else ''}: "
-              f"{len(requests)} requests, {prompt_tokens} prompt + {output_tokens} output tokens "
-              f"(greedy, EOS ignored); model {path.name}, float32, "
-              f"{torch.get_num_threads()} torch threads, "
-              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}")
+    engine_flags = _engine_flags(args)
     machine = measure(args.quick)
-    header += (f"\nmachine: float32 matmul {machine.flops_per_s / 1e9:.0f} GFLOP/s (torch/MKL), "
-               + (f"{machine.onednn_flops_per_s / 1e9:.0f} GFLOP/s (oneDNN), "
-                  if machine.onednn_flops_per_s else "")
-               + f"memory {machine.bytes_per_s / 1e9:.0f} GB/s")
+    header = _header(args, path, requests, machine)
     print(header, flush=True)
-
-    results: list[Result] = []
-    timing: DecodeTiming | None = None
-    ours: dict[str, list[list[int]]] = {}
-    for mode in modes:
-        result, t, tokens = run_tokenline(args.model, requests, mode, engine_flags, args.progress)
-        results.append(result)
-        ours[mode] = tokens
-        if mode == "continuous" or timing is None:  # the continuous run's steps if there is one
-            timing = t
-        print(f"  {result.system}: {result.seconds:.1f} s, {result.tokens_per_s:.1f} tok/s",
-              flush=True)
-    if args.json_schema:
-        schema = TYPICAL_SCHEMA if args.json_schema == "typical" else json.loads(
-            Path(args.json_schema).read_text())
-        result, t, _ = run_tokenline(args.model, requests, "continuous", engine_flags,
-                                     args.progress, schema)
-        if t.mask_seconds:
-            result.extra.update(mask_batch=t.batch, mask_steps=len(t.mask_seconds),
-                                mask_ms_median=1000 * statistics.median(t.mask_seconds))
-        results.append(result)
-        print(f"  {result.system}: {result.seconds:.1f} s, {result.tokens_per_s:.1f} tok/s",
-              flush=True)
-    if args.with_stack:
-        stack_flags = {**engine_flags, **({"num_threads": args.threads} if args.threads else {})}
-        result = run_stack(args.model, requests, stack_flags)
-        results.append(result)
-        print(f"  {result.system}: {result.seconds:.1f} s, {result.tokens_per_s:.1f} tok/s",
-              flush=True)
+    results, timing, ours = _run_ours(args, requests, modes, engine_flags)
     agreement: dict[str, Any] = {}
     if hf_sizes or not args.no_hf_continuous:
-        model = load_hf_model(path)
-        for size in hf_sizes:
-            result, tokens = run_hf_static(model, requests, size, args.progress)
-            results.append(result)
-            if size == 1 and ours:
-                mine = ours.get("continuous") or next(iter(ours.values()))
-                same = sum(a == b for a, b in zip(mine, tokens, strict=True))
-                agreement = {"requests": len(requests), "identical": same}
-                result.extra["identical_to_tokenline"] = same
-            print(f"  {result.system}: {result.seconds:.1f} s, {result.tokens_per_s:.1f} tok/s",
-                  flush=True)
-        if not args.no_hf_continuous:
-            result, _ = run_hf_continuous(model, requests, args.hf_max_batch_tokens,
-                                          args.progress)
-            results.append(result)
-            print(f"  {result.system}: {result.seconds:.1f} s, {result.tokens_per_s:.1f} tok/s",
-                  flush=True)
-        del model
-        gc.collect()
+        hf_results, agreement = _run_hf(args, path, requests, hf_sizes, ours)
+        results += hf_results
     if timing and timing.seconds:
         # again at the end: a peak only drops when something else wants the cores, so the
         # better of the two is the closer to what the machine can do
@@ -578,6 +599,13 @@ def main(argv: list[str] | None = None) -> int:
                           max(machine.onednn_flops_per_s or 0, again.onednn_flops_per_s or 0)
                           or None)
     roof = roofline(timing, config, machine) if timing else None
+    _report(args, path, requests, results, roof, header, engine_flags, agreement, machine)
+    return 0
+
+
+def _report(args: argparse.Namespace, path: Path, requests: list, results: list[Result],
+            roof: dict | None, header: str, engine_flags: dict[str, Any],
+            agreement: dict[str, Any], machine: Machine) -> None:
     print()
     print(format_report(results, roof, header))
     if roof and engine_flags.get("dtype") not in (None, "auto", "float32"):
@@ -590,14 +618,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({
             "workload": str(args.workload), "quick": args.quick, "model": str(path),
-            "num_requests": len(requests), "prompt_tokens": prompt_tokens,
-            "output_tokens": output_tokens, "threads": torch.get_num_threads(),
-            "machine": asdict(machine),
+            "num_requests": len(requests),
+            "prompt_tokens": sum(len(r.prompt_ids) for r in requests),
+            "output_tokens": sum(r.max_tokens for r in requests),
+            "threads": torch.get_num_threads(), "machine": asdict(machine),
             "results": [r.to_json() for r in results], "roofline": roof,
             "greedy_agreement": agreement or None,
         }, indent=1))
-    return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

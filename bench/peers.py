@@ -171,6 +171,15 @@ def _peer_systems(args: argparse.Namespace, parser: argparse.ArgumentParser,
         binary, model, slots=n, threads=args.threads, ctx=args.ctx)) for n in slots]
 
 
+def _header(args: argparse.Namespace, requests: list, model: Path) -> str:
+    peer_setup = (f"vLLM {args.threads} bound cores, {args.vllm_kv_space} GiB KV"
+                  if args.peer == "vllm" else f"llama-server -t {args.threads} -c {args.ctx}")
+    return (f"workload {Path(args.workload).name}: {len(requests)} requests, "
+            f"{sum(r.prompt_len for r in requests)} prompt + "
+            f"{sum(r.max_tokens for r in requests)} output tokens (greedy, EOS ignored, all "
+            f"sent at once); model {model.name}; {os.cpu_count()} cores; {peer_setup}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -191,12 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     if any(not isinstance(r.prompt, list) for r in requests):
         parser.error("the workload needs prompt_token_ids: both servers then see the same tokens")
 
-    peer_setup = (f"vLLM {args.threads} bound cores, {args.vllm_kv_space} GiB KV"
-                  if args.peer == "vllm" else f"llama-server -t {args.threads} -c {args.ctx}")
-    header = (f"workload {Path(args.workload).name}: {len(requests)} requests, "
-              f"{sum(r.prompt_len for r in requests)} prompt + "
-              f"{sum(r.max_tokens for r in requests)} output tokens (greedy, EOS ignored, all "
-              f"sent at once); model {model.name}; {os.cpu_count()} cores; {peer_setup}")
+    header = _header(args, requests, model)
     print(header, flush=True)
     systems: list[tuple[str, Any]] = []
     if not args.no_tokenline:

@@ -89,7 +89,7 @@ def run_stack(flags: list[str], env: dict[str, str], requests, concurrency: int,
         return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m bench.tracing_overhead",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--dataset-path", default=str(REPO / "bench/workloads/mixed64.jsonl"))
@@ -101,7 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--export-delay-ms", type=int, default=5000,
                    help="OTEL_BSP_SCHEDULE_DELAY of the traced stacks (OpenTelemetry's default)")
     p.add_argument("serve_args", nargs="*", help="flags for `tokenline serve` (after --)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
 
     requests = load_jsonl(args.dataset_path, args.num_prompts)
     receiver = Receiver()

@@ -31,7 +31,7 @@ from services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerCon
 
 log = get_logger("engine")
 
-TOMBSTONE_SECONDS = 60.0
+TOMBSTONE_S = 60.0
 GRAMMAR_POLL_S = 0.005  # an idle step waits this long for a compile before it returns
 
 
@@ -266,7 +266,7 @@ class EngineCore:
             victims = [self.requests[msg.rid]]
         else:
             if msg.rid:
-                self.tombstones[msg.rid] = now + TOMBSTONE_SECONDS
+                self.tombstones[msg.rid] = now + TOMBSTONE_S
             victims = []
         for req in victims:
             if req.is_finished:

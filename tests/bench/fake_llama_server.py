@@ -20,7 +20,7 @@ LOAD_S = 0.3
 
 def make_app(model: str, slots: int) -> web.Application:
     """/health, /v1/models and streamed /v1/completions for `model`, `slots` requests at a time
-    (also the fake vLLM's app: tests/unit/fake_vllm.py)."""
+    (also the fake vLLM's app: tests/bench/fake_vllm.py)."""
     started = time.monotonic()
     running = asyncio.Semaphore(slots)
 
