@@ -19,6 +19,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -72,63 +73,35 @@ async def run_benchmark(
     (`input_lens`, `cached_lens`, `output_lens`, `ttfts`, `tpots`, `e2els`, `itls`,
     `start_times` in seconds, `errors`, `generated_texts`).
     """
-    chat = endpoint.rstrip("/").endswith("chat/completions")
-    if chat and any(isinstance(r.prompt, list) for r in requests):
-        raise ValueError(
-            f"{endpoint} needs text prompts; send token-id prompts to /v1/completions "
-            "(or give --tokenizer to decode them)"
-        )
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    url = base_url.rstrip("/") + endpoint
-    # A conversation's turns go one after another; conversations (and plain requests, each
-    # its own) arrive by the arrival process.
-    chains: dict[object, list[int]] = {}
-    for i, r in enumerate(requests):
-        key = ("request", i) if r.conversation is None else ("conversation", r.conversation)
-        chains.setdefault(key, []).append(i)
+    chat = _is_chat(endpoint, requests)
+    headers = {"Content-Type": "application/json",
+               **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    chains = _chains(requests)
     times = arrival_times(len(chains), request_rate, burstiness, seed)
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), disable=not progress, desc=f"rate {request_rate:g}")
-
     # Without a connection cap the client, not the server, would queue requests at rate inf.
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         if model is None:
             model = await fetch_first_model(session, base_url, headers)
-
-        outputs: list[RequestOutput] = [RequestOutput() for _ in requests]
-
-        async def dispatch(k: int, chain: list[int]) -> None:
-            # Absolute send times keep the arrival process exact however long sleeps overrun.
-            delay = bench_start + times[k] - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            for i in chain:
-                req = requests[i]
-                body = _request_body(req, model, chat, temperature, ignore_eos, extra_body)
-                async with semaphore or contextlib.nullcontext():
-                    outputs[i] = await _stream_request(session, url, body, req, headers, chat,
-                                                       bench_start)
-                bar.update(1)
-
-        bench_start = time.perf_counter()
-        await asyncio.gather(*(dispatch(k, chain) for k, chain in enumerate(chains.values())))
-        duration = time.perf_counter() - bench_start
+        outputs, duration = await _send_all(
+            session, base_url.rstrip("/") + endpoint, requests, chains, times, semaphore,
+            headers, chat, bar,
+            lambda req: _request_body(req, model, chat, temperature, ignore_eos, extra_body))
     bar.close()
-
     result = compute_metrics(outputs, duration, percentiles, goodput)
+    result.update(base_url=base_url, endpoint=endpoint, model=model, num_prompts=len(requests),
+                  request_rate=request_rate, burstiness=burstiness,
+                  max_concurrency=max_concurrency, **_per_request(outputs))
+    return result
+
+
+def _per_request(outputs: list[RequestOutput]) -> dict[str, Any]:
+    """The per-request arrays of a result, in request order, and the first error."""
     errors = [o.error for o in outputs]
-    result.update(
-        base_url=base_url,
-        endpoint=endpoint,
-        model=model,
-        num_prompts=len(requests),
-        request_rate=request_rate,
-        burstiness=burstiness,
-        max_concurrency=max_concurrency,
+    return dict(
         first_error=next((e for e in errors if e), None),
         input_lens=[o.prompt_len for o in outputs],
         cached_lens=[o.cached_tokens for o in outputs],
@@ -141,7 +114,59 @@ async def run_benchmark(
         errors=errors,
         generated_texts=[o.generated_text for o in outputs],
     )
-    return result
+
+
+def _is_chat(endpoint: str, requests: list[SampleRequest]) -> bool:
+    chat = endpoint.rstrip("/").endswith("chat/completions")
+    if chat and any(isinstance(r.prompt, list) for r in requests):
+        raise ValueError(
+            f"{endpoint} needs text prompts; send token-id prompts to /v1/completions "
+            "(or give --tokenizer to decode them)"
+        )
+    return chat
+
+
+def _chains(requests: list[SampleRequest]) -> list[list[int]]:
+    """A conversation's turns go one after another; conversations (and plain requests, each
+    its own) arrive by the arrival process."""
+    chains: dict[object, list[int]] = {}
+    for i, r in enumerate(requests):
+        key = ("request", i) if r.conversation is None else ("conversation", r.conversation)
+        chains.setdefault(key, []).append(i)
+    return list(chains.values())
+
+
+async def _send_all(
+    session: aiohttp.ClientSession,
+    url: str,
+    requests: list[SampleRequest],
+    chains: list[list[int]],
+    times: list[float],
+    semaphore: asyncio.Semaphore | None,
+    headers: dict[str, str],
+    chat: bool,
+    bar: tqdm,
+    body_of: Callable[[SampleRequest], dict[str, Any]],
+) -> tuple[list[RequestOutput], float]:
+    """Each chain at its arrival time (seconds from the start); outputs and duration."""
+    outputs: list[RequestOutput] = [RequestOutput() for _ in requests]
+
+    async def dispatch(k: int, chain: list[int]) -> None:
+        # Absolute send times keep the arrival process exact however long sleeps overrun.
+        delay = bench_start + times[k] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        for i in chain:
+            req = requests[i]
+            body = body_of(req)
+            async with semaphore or contextlib.nullcontext():
+                outputs[i] = await _stream_request(session, url, body, req, headers, chat,
+                                                   bench_start)
+            bar.update(1)
+
+    bench_start = time.perf_counter()
+    await asyncio.gather(*(dispatch(k, chain) for k, chain in enumerate(chains)))
+    return outputs, time.perf_counter() - bench_start
 
 
 async def fetch_first_model(
@@ -193,66 +218,85 @@ async def _stream_request(
     bench_start: float,
 ) -> RequestOutput:
     out = RequestOutput(prompt_len=req.prompt_len)
-    texts: list[str] = []
-    usage: dict[str, Any] | None = None
-    first_choice_at: float | None = None
-    last_content_at = 0.0
     t0 = time.perf_counter()
     out.start = t0 - bench_start
+    stream = _Stream(out, chat, t0)
     try:
         async with session.post(url, data=msgspec.json.encode(body), headers=headers) as resp:
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {_error_message(await resp.text())}"
                 return out
-            async for raw in resp.content:
-                now = time.perf_counter()  # before parsing, so decode cost is not latency
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue  # blank separators, `event:` names, `:` keep-alives
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                msg = msgspec.json.decode(data)
-                if msg.get("error"):
-                    out.error = f"stream error: {_error_message(msg)}"
-                    return out
-                if msg.get("usage"):
-                    usage = msg["usage"]
-                for choice in msg.get("choices") or []:
-                    if first_choice_at is None:
-                        first_choice_at = now
-                    if chat:
-                        text = (choice.get("delta") or {}).get("content")
-                    else:
-                        text = choice.get("text")
-                    if not text:
-                        continue
-                    if not texts:
-                        out.ttft = now - t0
-                    else:
-                        out.itl.append(now - last_content_at)
-                    last_content_at = now
-                    texts.append(text)
+            if not await stream.read(resp):
+                return out
         out.e2el = time.perf_counter() - t0
     except Exception as exc:  # a dropped connection is a failed request, not a crashed run
         out.error = f"{type(exc).__name__}: {exc}"
         return out
+    return stream.finish()
 
-    if first_choice_at is None:
-        out.error = "stream ended without any choice"
+
+class _Stream:
+    """One request's SSE stream, read into its RequestOutput as the chunks arrive."""
+
+    def __init__(self, out: RequestOutput, chat: bool, t0: float) -> None:
+        self.out = out
+        self.chat = chat
+        self.t0 = t0
+        self.texts: list[str] = []
+        self.usage: dict[str, Any] | None = None
+        self.first_choice_at: float | None = None
+        self.last_content_at = 0.0
+
+    async def read(self, resp: aiohttp.ClientResponse) -> bool:
+        """Until `[DONE]`; False on an error event (then `out.error` says what)."""
+        async for raw in resp.content:
+            now = time.perf_counter()  # before parsing, so decode cost is not latency
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue  # blank separators, `event:` names, `:` keep-alives
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            msg = msgspec.json.decode(data)
+            if msg.get("error"):
+                self.out.error = f"stream error: {_error_message(msg)}"
+                return False
+            if msg.get("usage"):
+                self.usage = msg["usage"]
+            for choice in msg.get("choices") or []:
+                self._choice(choice, now)
+        return True
+
+    def _choice(self, choice: dict[str, Any], now: float) -> None:
+        if self.first_choice_at is None:
+            self.first_choice_at = now
+        text = (choice.get("delta") or {}).get("content") if self.chat else choice.get("text")
+        if not text:
+            return
+        if not self.texts:
+            self.out.ttft = now - self.t0
+        else:
+            self.out.itl.append(now - self.last_content_at)
+        self.last_content_at = now
+        self.texts.append(text)
+
+    def finish(self) -> RequestOutput:
+        out, usage = self.out, self.usage
+        if self.first_choice_at is None:
+            out.error = "stream ended without any choice"
+            return out
+        if not self.texts:
+            # Only empty text came back (e.g. EOS first): the first choice is the first token.
+            out.ttft = self.first_choice_at - self.t0
+        out.generated_text = "".join(self.texts)
+        out.output_tokens = int(usage["completion_tokens"]) if usage else len(self.texts)
+        if usage and usage.get("prompt_tokens") is not None:
+            out.prompt_len = int(usage["prompt_tokens"])  # the server's count beats our estimate
+        if usage:
+            out.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get(
+                "cached_tokens") or 0)
+        out.success = True
         return out
-    if not texts:
-        # Only empty text came back (e.g. EOS first): the first choice is the first token.
-        out.ttft = first_choice_at - t0
-    out.generated_text = "".join(texts)
-    out.output_tokens = int(usage["completion_tokens"]) if usage else len(texts)
-    if usage and usage.get("prompt_tokens") is not None:
-        out.prompt_len = int(usage["prompt_tokens"])  # the server's count beats our estimate
-    if usage:
-        out.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-                                or 0)
-    out.success = True
-    return out
 
 
 def _error_message(body: str | dict[str, Any]) -> str:
