@@ -75,7 +75,6 @@ async def under_load(url: str, fault, trickle_s: float = 3.0) -> tuple[list, lis
                                                 timeout=DEADLINE + 20))
                    for ev in started]
         await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 60)
-        t_fault = time.monotonic()
         fault()
         newcomers = []
         t_end = time.monotonic() + trickle_s
@@ -88,7 +87,7 @@ async def under_load(url: str, fault, trickle_s: float = 3.0) -> tuple[list, lis
         outs = list(await asyncio.gather(*streams))
         for out in outs:
             if out.error is not None:  # noticed the loss itself, not a deadline for it
-                assert out.ended_at - t_fault < INTER_OUTPUT_TIMEOUT, out
+                assert out.error.get("code") != "timeout", out
         return outs, list(await asyncio.gather(*newcomers))
 
 
