@@ -99,9 +99,9 @@ def _tally(outs: list[Outcome]) -> dict[str, int]:
 def check_outcomes(streams: list[Outcome], newcomers: list[Outcome]) -> tuple[dict, dict]:
     """Each ended cleanly; what the streams in flight and the newcomers saw, by error code."""
     for out in streams:
-        assert_ended_cleanly(out, MAX_TOKENS, DEADLINE)
+        assert_ended_cleanly(out, MAX_TOKENS)
     for out in newcomers:
-        assert_ended_cleanly(out, 8, DEADLINE)
+        assert_ended_cleanly(out, 8)
     return _tally(streams), _tally(newcomers)
 
 
