@@ -15,6 +15,7 @@ BENCH = {
     "offline": "bench.offline",
     "roofline": "bench.roofline",
     "peers": "bench.peers",
+    "quality": "bench.quality",
 }
 
 USAGE = """usage: tokenline COMMAND [ARGS]
@@ -25,6 +26,7 @@ commands:
   bench offline    our engine against transformers baselines, in one run
   bench roofline   this machine's FLOP/s and bandwidth, and the decode-step bound
   bench peers      our whole stack against llama.cpp's llama-server, in one run
+  bench quality    perplexity and KL against float32 per --quantization, on a fixed text
   simulate         step simulator of static, dynamic and continuous batching
   plan             memory planner: weights, KV pool, concurrency
 """
@@ -38,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
         if not rest or rest[0] not in BENCH:
-            print("usage: tokenline bench {serve,offline,roofline,peers} ...", file=sys.stderr)
+            print("usage: tokenline bench {serve,offline,roofline,peers,quality} ...",
+                  file=sys.stderr)
             return 2
         module, rest = BENCH[rest[0]], rest[1:]
     elif cmd in COMMANDS:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 from pathlib import Path
@@ -44,6 +45,17 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
+
+
+def _release_freed_memory() -> None:
+    """Hand the float weights that packing or quantizing freed back to the OS. glibc keeps
+    freed chunks in its heap (the mmap threshold grows with the first large frees), so without
+    this a quantized model's scheduler keeps the float model's footprint (int4 SmolLM2: 250
+    against 115 MiB resident)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 class ModelRunner:
@@ -100,6 +112,7 @@ class ModelRunner:
         elif self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_enabled():
             self.model.pack_for_cpu(self.linear_dtype)
             self.linear_backend = "onednn"
+        _release_freed_memory()
         self.num_layers = c["num_hidden_layers"]
         self.num_kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
         self.head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]

@@ -1,0 +1,63 @@
+"""The scheduler's resident weights per --quantization: int8 at most 35% of float32's, int4 at
+most 20% (the real SmolLM2, each in a fresh process, as the scheduler service loads it)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+
+# The engine core the scheduler service runs, built after everything it imports is loaded;
+# the growth of the process's resident memory (anonymous and file pages) is what loading the
+# model costs. One KV block, so the pool is a rounding error.
+SCRIPT = """
+import gc, json, sys
+from common.config import ServerArgs
+from common.modelstore import prepare_model
+from services.scheduler.attention.torch_backend import cpu_kernels
+from services.scheduler.engine import EngineCore
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+prepare_model(None)
+cpu_kernels()
+before = rss()
+core = EngineCore(ServerArgs(quantization=sys.argv[1], max_total_tokens=16))
+gc.collect()
+info = core.runner.info()
+print(json.dumps({"rss_growth": rss() - before, "weight_bytes": info["weight_bytes"],
+                  "kv_bytes": info["kv_cache"]["bytes"], "quantization": info["quantization"]}))
+"""
+
+
+@pytest.fixture(scope="module")
+def loaded() -> dict[str, dict]:
+    out = {}
+    for q in ("none", "int8", "int4"):
+        run = subprocess.run([sys.executable, "-c", SCRIPT, q], cwd=REPO, capture_output=True,
+                             text=True, timeout=600, check=True)
+        out[q] = json.loads(run.stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_resident_weights_are_a_fraction_of_float32s(loaded):
+    f32 = loaded["none"]["rss_growth"]
+    assert f32 > 500 << 20  # float32 SmolLM2: 108 MiB embedding + 513 MiB oneDNN copies
+    assert loaded["int8"]["rss_growth"] <= 0.35 * f32
+    assert loaded["int4"]["rss_growth"] <= 0.20 * f32
+
+
+def test_reported_weight_bytes_are_what_is_resident(loaded):
+    for q, got in loaded.items():
+        # no hidden float copy: what the process grew by is the weights it reports, plus a
+        # few MiB (rope tables, code pages, the model's objects)
+        assert got["weight_bytes"] <= got["rss_growth"] <= got["weight_bytes"] + (48 << 20), q
+    assert loaded["int4"]["quantization"]["layers_from_file"] == 30 * 4  # every projection
+    assert loaded["int8"]["quantization"]["mode"] == "int8"
