@@ -78,6 +78,22 @@ class PlanResult:
         return self.arithmetic_intensity < self.ridge_point
 
 
+# Bytes per weight under --quantization, as tokenline's CPU kernels hold them: int8 codes with
+# a bfloat16 scale per row (2 bytes per row, counted as 2/hidden per weight), int4 codes with a
+# bfloat16 scale and zero per 32 weights. The embedding is int8 under both. On CUDA tokenline
+# dequantizes on load: plan that with none.
+QUANT_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / 32}
+
+
+def weight_bytes_per_param(dtype: str, quantization: str, hidden: int) -> float:
+    if quantization == "none":
+        return dtype_bytes(dtype)
+    if quantization not in QUANT_BYTES:
+        raise ValueError(f"unknown quantization {quantization!r}; known: none, "
+                         + ", ".join(QUANT_BYTES))
+    return QUANT_BYTES[quantization] + (2 / hidden if quantization == "int8" and hidden else 0)
+
+
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
@@ -90,10 +106,13 @@ def plan(
     dtype: str | None = None,
     max_model_len: int | None = None,
     include_kv_bytes: bool = False,
+    quantization: str = "none",
 ) -> PlanResult:
-    """Plan the KV pool of one GPU for `model`; weights and KV both use `dtype`."""
+    """Plan the KV pool of one GPU for `model`; weights and KV both use `dtype`, the weights
+    `quantization`'s bytes where one is given."""
     nbytes = dtype_bytes(dtype or model.dtype)
-    weights = model.params * nbytes
+    weights = model.params * weight_bytes_per_param(dtype or model.dtype, quantization,
+                                                    model.hidden)
     per_token = kv_bytes_per_token(model.layers, model.kv_heads, model.head_dim, nbytes)
     pool = max(0.0, gpu.memory_gib * GiB * gpu_memory_utilization - weights - overhead_gib * GiB)
     tokens = int(pool // per_token)
@@ -227,6 +246,9 @@ def format_server(info: dict, check: ServerCheck) -> str:
         f"server {info.get('model', '?')}  max_model_len {info.get('max_model_len', '?')}",
         f"  KV pool             {kv['bytes'] / GiB:.3f} GiB, {kv['num_tokens']:,} tokens in "
         f"{kv['num_blocks']:,} blocks of {kv['page_size']} ({kv['dtype']})",
+        *([f"  weights             {info['weight_bytes'] / GiB:.3f} GiB resident, "
+           f"quantization {info.get('quantization', {}).get('mode', 'none')}"]
+          if "weight_bytes" in info else []),
         f"  KV per token        predicted {check.predicted_kv_bytes_per_token:,} B, "
         f"server {check.server_kv_bytes_per_token:,.1f} B ({verdict})",
         f"  implied capacity    {check.implied_token_capacity:,} tokens "
@@ -276,6 +298,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overhead-gib", type=float, default=6.0,
                    help="activations, CUDA graphs and allocator slack (default 6)")
     p.add_argument("--dtype", help="weights and KV dtype (default: the model's, else bf16)")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weights at tokenline's int8 (1 B) or int4 (0.625 B) per parameter")
     p.add_argument("--max-model-len", type=int, help="context per sequence (default: model's)")
     p.add_argument("--include-kv-bytes", action="store_true",
                    help="count the batch's KV reads in the decode intensity, not weights only")
@@ -312,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
                   args.bandwidth_tbs or base.bandwidth_tbs)
         try:
             res = plan(model, gpu, args.gpu_memory_utilization, args.overhead_gib, args.dtype,
-                       args.max_model_len, args.include_kv_bytes)
+                       args.max_model_len, args.include_kv_bytes, args.quantization)
         except ValueError as e:
             parser.error(str(e))
         out.append(format_plan(res, model, gpu, args.gpu))

@@ -45,6 +45,19 @@ def test_counting_kv_reads_lowers_the_decode_intensity() -> None:
     assert with_kv.arithmetic_intensity < weights_only.arithmetic_intensity
 
 
+def test_quantized_weights_take_their_bytes_and_free_pool_room() -> None:
+    model = PRESETS["llama-3-8b"]
+    none = plan(model, GPUS["h100-80gb"])
+    int8 = plan(model, GPUS["h100-80gb"], quantization="int8")
+    int4 = plan(model, GPUS["h100-80gb"], quantization="int4")
+    assert int8.weight_bytes == pytest.approx(model.params * (1 + 2 / model.hidden))
+    assert int4.weight_bytes == pytest.approx(model.params * 0.625)
+    assert int4.kv_pool_bytes - none.kv_pool_bytes == pytest.approx(
+        none.weight_bytes - int4.weight_bytes)
+    assert int4.kv_bytes_per_token == none.kv_bytes_per_token  # the KV cache is not quantized
+    assert int4.max_sequences > int8.max_sequences > none.max_sequences
+
+
 def test_h200_fits_twice_the_sequences() -> None:
     res = plan(PRESETS["llama-3-8b"], GPUS["h200"])
     assert res.max_sequences == 107
