@@ -8,21 +8,26 @@ tied lm_head) at batch 1 and 64, every way we can multiply by a weight:
 - int4 group-32 scales and zero points, `torch._weight_int4pack_mm_for_cpu`, float32 or bf16;
 
 and prints milliseconds per call and the sum over one decode step (30 layers + lm_head), so
-the choice per batch size is one table. The machine it ran on may be shared: compare the
-columns of one run, not numbers of different runs.
+the choice per batch size is one table. With --steps it also times whole decode steps of the
+real SmolLM2 (ModelRunner.forward, every request decoding one token at a context of --context)
+per --quantization and --dtype. The machine it ran on may be shared: compare the columns of one
+run, not numbers of different runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/offline.py
 
-from services.scheduler import quant
-from services.scheduler.models.layers import onednn_linear, onednn_pack
+import torch  # noqa: E402
+
+from services.scheduler import quant  # noqa: E402
+from services.scheduler.models.layers import onednn_linear, onednn_pack  # noqa: E402
 
 # (name, out_features, in_features, how many per decode step) for SmolLM2-135M
 SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30),
@@ -82,6 +87,37 @@ def run(batches: list[int], min_s: float) -> dict:
     return table
 
 
+def decode_steps(batches: list[int], context: int, min_s: float) -> dict:
+    """Fastest whole decode step (ms) of SmolLM2 per (quantization, dtype) and batch size."""
+    from common.messages import SamplingParams
+    from common.modelstore import gguf_source, prepare_model
+    from services.scheduler.model_runner import ModelRunner
+    from services.scheduler.request import Request
+
+    path = prepare_model(None)
+    out: dict = {}
+    for q in quant.MODES:
+        for dtype in ("float32", "bfloat16"):
+            runner = ModelRunner(path, device="cpu", dtype=dtype, quantization=q,
+                                 gguf_path=gguf_source(None),
+                                 max_total_tokens=max(batches) * (context + 16))
+            per_req = -(-(context + 1) // runner.page_size)
+            row: dict[int, float] = {}
+            for batch in batches:
+                reqs = []
+                for b in range(batch):
+                    r = Request(f"r{b}", list(range(1000, 1000 + context)), SamplingParams())
+                    r.output_ids = [42]
+                    r.num_computed = context
+                    r.block_table = list(range(b * per_req, (b + 1) * per_req))
+                    reqs.append(r)
+                ms = _time(lambda reqs=reqs, m=runner: m.forward(reqs, [1] * len(reqs),
+                                                       list(range(len(reqs)))), min_s)
+                row[batch] = round(ms * 1e3, 2)
+            out[f"{q}/{dtype}"] = row
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.quant_kernels",
                                      description=__doc__.splitlines()[0])
@@ -89,11 +125,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--min-seconds", type=float, default=0.3,
                         help="time each kernel and shape for at least this long")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    parser.add_argument("--steps", action="store_true",
+                        help="also time whole SmolLM2 decode steps per quantization and dtype")
+    parser.add_argument("--context", type=int, default=256, help="--steps: tokens per request")
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     table = run(args.batches, args.min_seconds)
+    if args.steps:
+        table["decode_step_ms"] = decode_steps(args.batches, args.context, args.min_seconds)
     if args.json:
         print(json.dumps(table, indent=2))
         return
@@ -106,6 +147,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {'decode step (sum)':<22}"
               + "".join(f"{res['decode_step_ms'][k]:>13.3f}" for k in kernels))
         print(f"  fastest: {res['fastest']}")
+    if "decode_step_ms" in table:
+        print("\nSmolLM2 decode step, ms (quantization/dtype: " + ", ".join(
+            f"batch {b}" for b in args.batches) + ")")
+        for name, row in table["decode_step_ms"].items():
+            print(f"  {name:<18}" + "".join(f"{row[b]:>10.2f}" for b in args.batches))
 
 
 if __name__ == "__main__":
