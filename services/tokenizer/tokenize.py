@@ -24,6 +24,27 @@ NO_TEMPLATE = ("this model has no chat template: use /v1/completions or /generat
                "the server with --chat-template FILE")
 
 
+def _text_content(m: dict, i: int) -> dict:
+    """messages[i] with its content as one string (OpenAI's text parts joined)."""
+    content = m.get("content")
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise InputError(
+                    f"messages[{i}].content: only text parts are supported",
+                    f"messages[{i}].content",
+                )
+            parts.append(str(part.get("text", "")))
+        return {**m, "content": "".join(parts)}
+    if content is None:
+        return {**m, "content": ""}
+    if not isinstance(content, str):
+        raise InputError(f"messages[{i}].content must be a string or a list of parts",
+                         f"messages[{i}].content")
+    return m
+
+
 def _raise(message: str) -> None:
     raise InputError(message, "messages")
 
@@ -57,22 +78,7 @@ class TextTokenizer:
                     f"messages[{i}].role {m.get('role')!r} is not one of {sorted(ROLES)}",
                     f"messages[{i}].role",
                 )
-            content = m.get("content")
-            if isinstance(content, list):  # OpenAI content parts: keep the text ones
-                parts = []
-                for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text":
-                        raise InputError(
-                            f"messages[{i}].content: only text parts are supported",
-                            f"messages[{i}].content",
-                        )
-                    parts.append(str(part.get("text", "")))
-                m = {**m, "content": "".join(parts)}
-            elif content is None:
-                m = {**m, "content": ""}
-            elif not isinstance(content, str):
-                raise InputError(f"messages[{i}].content must be a string or a list of parts",
-                                 f"messages[{i}].content")
+            m = _text_content(m, i)
             if m.get("tool_calls") is not None:
                 m = self._with_tool_calls(m, i, tool_format)
             messages[i] = m
