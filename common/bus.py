@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 import nats
+import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
@@ -100,6 +101,19 @@ class Bus:
         receipt = messages.decode(reply.data)
         assert isinstance(receipt, messages.ReceiptOut), receipt
         return receipt
+
+    async def probe(self, subject: str, msg: messages.Message, timeout: float) -> bool | None:
+        """Whether anyone takes messages on `subject`, by a message its handler ignores,
+        acknowledged on receipt: True, yes; False, nobody listens (NATS drops a closed
+        connection's subscriptions at once, so a killed process gives this at once); None, no
+        receipt within `timeout` (hung, starved of CPU for that long, or cut off)."""
+        try:
+            await self.publish_acked(subject, msg, timeout=timeout)
+            return True
+        except nats.errors.NoRespondersError:
+            return False
+        except nats.errors.Error:
+            return None
 
     async def request(self, subject: str, msg: messages.Message,
                       timeout: float) -> messages.Message:

@@ -142,8 +142,9 @@ class TokenizerService(Service):
     async def _hand_off(self, msg: GenerateReq, out: TokenizedReq,
                         headers: dict[str, str]) -> None:
         """To the scheduler the router picks, on its own subject; if it does not listen (gone
-        since its last heartbeat), to the queue group at once. Only "no responders" falls back:
-        a request whose receipt is late may still arrive, and no two schedulers run one."""
+        since its last heartbeat), to the queue group at once. A request whose receipt is late
+        falls back only once a probe finds nobody there: it may still arrive, and no two
+        schedulers may run one request."""
         if msg.scheduler_id:  # moved off a dead scheduler: the gateway picked this one
             await self._forward(self.subjects.scheduler_instance(msg.scheduler_id), out, headers)
             return
@@ -154,15 +155,19 @@ class TokenizerService(Service):
                 await self.bus.publish_acked(self.subjects.scheduler_instance(route.scheduler_id),
                                              out, headers, timeout=self.args.heartbeat_timeout)
                 return
-            except nats.errors.NoRespondersError:
+            except nats.errors.Error as exc:
+                # No receipt in time may be a scheduler killed while the request was on its
+                # way: if nobody listens there now, nobody will run it there either.
+                subject = self.subjects.scheduler_instance(route.scheduler_id)
+                if not isinstance(exc, nats.errors.NoRespondersError) and await self.bus.probe(
+                        subject, self.stats(), self.args.heartbeat_timeout) is not False:
+                    await self._not_forwarded(out, headers, exc)
+                    return
                 request_logger(out.rid, tracing.trace_id(headers)).info(
                     "routed scheduler gone; the queue group takes it",
                     scheduler_id=route.scheduler_id)
                 self.router.fell_back(route)
                 out.predicted_cached_tokens = None
-            except nats.errors.Error as exc:
-                await self._not_forwarded(out, headers, exc)
-                return
         await self._forward(self.subjects.scheduler, out, headers)
 
     async def _forward(self, subject: str, out: TokenizedReq, headers: dict[str, str]) -> None:

@@ -259,6 +259,8 @@ async def test_a_missed_event_batch_recovers_through_a_snapshot(stack):
 
 
 async def test_a_killed_scheduler_leaves_every_view_and_conversations_go_on(stack):
+    if not stack.tokenizers:  # run on its own
+        await stack.use_tokenizers("kill", "--load-balance-method", "cache_aware")
     done: list[int] = []
     async with aiohttp.ClientSession() as session:
         await stack.flush(session)
