@@ -85,6 +85,9 @@ class ServerArgs:
                                            "compile before the request fails with a 400")
     # gateway
     api_key: str | None = _flag(None, "require 'Authorization: Bearer KEY'")
+    admin_api_key: str | None = _flag(None, "the only key that opens /abort_request, "
+                                      "/flush_cache and other routes that change server state "
+                                      "(generation takes either key)")
     enable_metrics: bool = _flag(True, "serve /metrics", negatable=True)
     max_request_bytes: int = _flag(8 * 1024 * 1024, "largest request body (413 beyond)")
     first_output_timeout: float = _flag(600.0, "seconds to the first output before an error")

@@ -32,7 +32,7 @@ from common.messages import (
 from common.modelstore import model_info, prepare_model
 from common.peers import PeerTable
 from common.service import Service
-from services.gateway import spans
+from services.gateway import guards, spans
 from services.gateway.failover import Failover
 from services.gateway.metrics import Metrics
 from services.gateway.protocol import (
@@ -132,7 +132,8 @@ class GatewayService(Service):
     # -- app ------------------------------------------------------------------------------------
     def make_app(self) -> web.Application:
         app = web.Application(client_max_size=self.args.max_request_bytes,
-                              middlewares=[spans.middleware, self._errors_mw, self._auth_mw])
+                              middlewares=[spans.middleware, self._errors_mw,
+                                           *guards.middlewares(self.args)])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
@@ -165,15 +166,6 @@ class GatewayService(Service):
         except Exception:  # noqa: BLE001 - never a bare 500 without the OpenAI error shape
             log.exception("handler failed", path=request.path)
             return _error(APIError("internal server error", None, 500))
-
-    @web.middleware
-    async def _auth_mw(self, request: web.Request, handler):
-        key = self.args.api_key
-        if key and request.path not in ("/health", "/metrics", "/openapi.json"):
-            if request.headers.get("Authorization", "") != f"Bearer {key}":
-                raise APIError("invalid or missing API key (Authorization: Bearer ...)", None,
-                               401, code="invalid_api_key")
-        return await handler(request)
 
     async def _body(self, request: web.Request, kind: type):
         if request.content_length and request.content_length > self.args.max_request_bytes:
@@ -253,7 +245,8 @@ class GatewayService(Service):
         params = req.to_params(self.info.vocab_size, self.args.max_stop_strings)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         renderer = ChatRenderer(rid, self.model_name, self.decode, req)
-        subs = sequences(rid, self.instance_id, [prompt], params, req.n, req.priority)
+        subs = sequences(rid, self.instance_id, [prompt], params, req.n, req.priority,
+                         req.cache_salt)
         return await self._run(request, subs, req.stream, renderer)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -263,7 +256,8 @@ class GatewayService(Service):
         params = req.to_params(self.info.vocab_size, self.args.max_stop_strings)
         rid = f"cmpl-{uuid.uuid4().hex}"
         renderer = CompletionRenderer(rid, self.model_name, self.decode, req)
-        subs = sequences(rid, self.instance_id, prompts, params, req.n, req.priority)
+        subs = sequences(rid, self.instance_id, prompts, params, req.n, req.priority,
+                         req.cache_salt)
         return await self._run(request, subs, req.stream, renderer)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -275,7 +269,7 @@ class GatewayService(Service):
             raise APIError(f"rid {rid!r} is already in use", "rid")
         renderer = GenerateRenderer(rid, self.model_name, self.decode, req)
         subs = sequences(rid, self.instance_id, [prompt], params, req.sampling_params.n,
-                         req.priority)
+                         req.priority, req.cache_salt)
         return await self._run(request, subs, req.stream, renderer)
 
     # -- generation -----------------------------------------------------------------------------

@@ -24,7 +24,7 @@ RESTART_BACKOFF_S = (0.5, 1, 2, 4, 8)
 MAX_FAILED_STARTS = 3
 # Handed to the children in their environment (TOKENLINE_<FLAG>), never on a command line that
 # `ps` shows to every user of the machine.
-SECRETS = ("nats_password", "nats_token", "api_key")
+SECRETS = ("nats_password", "nats_token", "api_key", "admin_api_key")
 
 
 def _say(line: str, stream) -> None:

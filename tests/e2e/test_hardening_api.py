@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
 from services.gateway.openapi import spec
+from services.gateway.protocol import MAX_JSON_DEPTH
 from tests.e2e.reliability import (
     SERVICES,
     assert_books_balance,
@@ -31,7 +32,7 @@ KEY = "sk-hardening"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 NATS_PASSWORD = "nats-secret-1b9"
 CONTEXT = 96  # short: generation runs to it when max_tokens is not given
-MAX_BYTES = 65536
+MAX_BYTES = 1024 * 1024  # room for 100,000 levels of nesting: a 400 for the depth, not a 413
 EXAMPLES_PER_ROUTE = 25
 
 
@@ -143,6 +144,55 @@ def test_body_over_max_request_bytes_is_413(stack):
     resp = requests.post(stack.url + CMPL, data=chunks(), timeout=60,
                          headers={"Content-Type": "application/json", **AUTH})
     assert_openai_error(resp, 413, None)
+
+
+DEEP = 100_000
+
+
+def nested(depth: int, leaf: str = "1") -> str:
+    return "[" * depth + leaf + "]" * depth
+
+
+def deep_object(depth: int) -> str:
+    return '{"a": ' * depth + "1" + "}" * depth
+
+
+IDS, STRS, OBJ = nested(DEEP), nested(DEEP, '"a"'), deep_object(DEEP)
+# (route, body as JSON text): 100,000 levels of nesting wherever a client could put them
+DEEP_BODIES = {
+    "chat messages": (CHAT, f'{{"messages": {IDS}}}'),
+    "chat message content": (CHAT, f'{{"messages": [{{"role": "user", "content": {STRS}}}]}}'),
+    "chat inside a message": (CHAT, f'{{"messages": [{{"role": "user", "x": {OBJ}}}]}}'),
+    "completion prompt": (CMPL, f'{{"prompt": {IDS}}}'),
+    "completion prompt token lists": (CMPL, f'{{"prompt": [[1, 2], {IDS}]}}'),
+    "completion prompt strings": (CMPL, f'{{"prompt": ["hi", {STRS}]}}'),
+    "completion stop": (CMPL, f'{{"prompt": "hi", "stop": {STRS}}}'),
+    "completion logit_bias": (CMPL, f'{{"prompt": "hi", "logit_bias": {OBJ}}}'),
+    "completion unknown field": (CMPL, f'{{"prompt": "hi", "x": {OBJ}}}'),
+    "the body itself": (CMPL, IDS),
+    "generate input_ids": (GEN, f'{{"input_ids": {IDS}}}'),
+    "generate sampling_params": (GEN, f'{{"text": "hi", "sampling_params": {OBJ}}}'),
+    "abort_request": ("/abort_request", f'{{"rid": {STRS}}}'),
+    "abort_request object": ("/abort_request", OBJ),
+    "flush_cache": ("/flush_cache", IDS),
+}
+
+
+@pytest.mark.parametrize("case", list(DEEP_BODIES), ids=list(DEEP_BODIES))
+def test_deeply_nested_json_is_a_400_on_every_route(stack, case):
+    path, text = DEEP_BODIES[case]
+    assert_openai_error(post(stack, path, text.encode()), 400, None, "levels deep",
+                        f"at most {MAX_JSON_DEPTH}")
+
+
+def test_nesting_up_to_the_limit_is_decoded(stack):
+    ok = f'{{"prompt": "hi", "max_tokens": 1, "x": {nested(MAX_JSON_DEPTH - 1)}}}'
+    assert post(stack, CMPL, ok.encode()).status_code == 200
+    too_deep = f'{{"prompt": "hi", "max_tokens": 1, "x": {nested(MAX_JSON_DEPTH)}}}'
+    assert_openai_error(post(stack, CMPL, too_deep.encode()), 400, None, str(MAX_JSON_DEPTH))
+    brackets_in_strings = json.dumps({"prompt": "hi", "max_tokens": 1,
+                                      "x": "[" * 1000 + '\\"{' * 500})
+    assert post(stack, CMPL, brackets_in_strings.encode()).status_code == 200
 
 
 def test_unknown_route_and_method_keep_the_error_shape(stack):

@@ -1,12 +1,17 @@
 """`cache_salt`: requests share cached blocks only with requests of the same salt (or, without
-one, with other unsalted requests, as before), through retraction too."""
+one, with other unsalted requests, as before), through retraction and migration too."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
-from common.messages import SamplingParams, TokenizedReq
+from common.config import ServerArgs
+from common.messages import GenerateReq, SamplingParams, TokenizedReq
+from services.gateway.tracker import Tracker
 from services.scheduler.engine import EngineCore
+from services.scheduler.request import Request
+from services.tokenizer.server import TokenizerService
 from tests.helpers import engine_args
 
 PROMPT = [random.Random(0).randrange(1000, 40000) for _ in range(1200)]
@@ -62,3 +67,16 @@ def test_salted_blocks_stay_salted_through_retraction(tiny_model_dir):
     assert _cached(engine, "probe-stranger", prompt, "tenant-x") == 0
     engine.check_integrity()
     assert engine.pool.num_used == 0
+
+
+def test_a_moved_request_keeps_its_salt_on_the_way_to_the_engine(tiny_model_dir):
+    """Moved off a dead scheduler, a request is sent again from the gateway's copy: the salt
+    must ride along through the tokenizer to the new scheduler's engine."""
+    tracker = Tracker()
+    sent = GenerateReq(rid="r", gateway_id="g", params=SamplingParams(temperature=0.0),
+                       text="hello there", cache_salt="tenant-a")
+    sub = tracker.add(sent, 0, asyncio.Queue())
+    tracker.accept("r", "sched-dead")
+    moved = tracker.move(sub, "sched-alive")
+    tokenized = TokenizerService(ServerArgs(model=str(tiny_model_dir))).tokenize(moved)
+    assert Request.from_msg(tokenized).cache_salt == "tenant-a"
