@@ -15,10 +15,10 @@ import time
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.messages import TextOut
+from common.messages import GRAMMAR_COMPILE_BUCKETS, TextOut
 
 if TYPE_CHECKING:
     from common.peers import PeerTable
@@ -54,6 +54,10 @@ class _SchedulerCollector:
                                            "router expected the scheduler it picked to hold."),
         "router_cached_tokens": ("routed_cached_tokens_total", "Prompt tokens those routed "
                                  "requests found cached there (over the predicted: accuracy)."),
+        "structured_output_requests": ("grammar_requests_total", "Requests with an output "
+                                       "constraint (JSON schema, regex, choice, EBNF, tools)."),
+        "grammar_cache_hits": ("grammar_cache_hits_total", "Constraints whose grammar was "
+                                                           "already compiled."),
     }
 
     SETUP = ("quantization", "dtype", "linear_dtype", "device")  # scheduler_info's labels
@@ -91,6 +95,7 @@ class _SchedulerCollector:
         for reason, n in sorted(by_reason.items()):
             decisions.add_metric([self.model_name, reason], n)
         yield decisions
+        yield self._compile_times(gw)
         inflight = GaugeMetricFamily(P + "requests_in_flight",
                                      "Requests each service holds state for (leaks show here).",
                                      labels=["model_name", "service"])
@@ -109,6 +114,24 @@ class _SchedulerCollector:
                               info.get("dtype", ""), info.get("linear_dtype", ""),
                               info.get("device", "")], 1)
         yield setup
+
+
+    def _compile_times(self, gw: GatewayService) -> HistogramMetricFamily:
+        """Grammar compile times, every scheduler's (dead ones' too: counts never go down)."""
+        scheds = [s for (svc, _), s in gw.peers.items() if svc == "scheduler"]
+        counts = [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
+        for s in scheds:
+            for i, n in enumerate(s.grammar_compile_buckets[: len(counts)]):
+                counts[i] += n
+        buckets, total = [], 0
+        for bound, n in zip([*map(str, GRAMMAR_COMPILE_BUCKETS), "+Inf"], counts, strict=True):
+            total += n
+            buckets.append((bound, total))
+        h = HistogramMetricFamily(P + "grammar_compile_seconds", "Time to compile a request's "
+                                  "grammar (cache misses only).", labels=["model_name"])
+        h.add_metric([self.model_name], buckets,
+                     sum(s.grammar_compile_seconds_sum for s in scheds))
+        return h
 
 
 class Metrics:
