@@ -25,7 +25,7 @@ from msgspec import Meta
 
 from common import tool_calls
 from common.messages import StructuredOutputs
-from common.tool_calls import CallDelta, ToolCall, ToolCallParser
+from common.tool_calls import CallDelta, ToolCallParser
 
 FunctionName = Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_.-]{1,64}$",
                                    description="letters, digits, _ . -; at most 64")]
@@ -228,5 +228,26 @@ def call_deltas(deltas: list[CallDelta], parallel: bool) -> list[dict]:
     return out
 
 
-__all__ = ["ToolCall", "APIFieldError", "ToolPlan", "chat_plan", "completion_constraint",
-           "generate_constraint", "message", "call_deltas"]
+class ChatToolStream:
+    """A streamed chat reply's choices, each read through its own tool-call parser."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.parsers: dict[int, ToolCallParser] = {}
+
+    def delta(self, index: int, text: str, finished: bool, delta: dict,
+              reason: str | None) -> str | None:
+        """Put the content and call pieces of `text` into `delta`; returns the finish reason
+        (`tool_calls` for a reply of calls that ended by itself)."""
+        parser = self.parsers.setdefault(index, self.plan.parser())
+        piece = parser.feed(text)
+        content = piece.content
+        if finished:
+            content += parser.finish().content
+            if parser.calls and reason == "stop":
+                reason = "tool_calls"
+        if content:
+            delta["content"] = content
+        if calls := call_deltas(piece.calls, self.plan.parallel):
+            delta["tool_calls"] = calls
+        return reason

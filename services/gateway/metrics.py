@@ -95,7 +95,7 @@ class _SchedulerCollector:
         for reason, n in sorted(by_reason.items()):
             decisions.add_metric([self.model_name, reason], n)
         yield decisions
-        yield self._compile_times(gw)
+        yield self._compile_times()
         inflight = GaugeMetricFamily(P + "requests_in_flight",
                                      "Requests each service holds state for (leaks show here).",
                                      labels=["model_name", "service"])
@@ -116,9 +116,9 @@ class _SchedulerCollector:
         yield setup
 
 
-    def _compile_times(self, gw: GatewayService) -> HistogramMetricFamily:
+    def _compile_times(self) -> HistogramMetricFamily:
         """Grammar compile times, every scheduler's (dead ones' too: counts never go down)."""
-        scheds = [s for (svc, _), s in gw.peers.items() if svc == "scheduler"]
+        scheds = self.peers.known("scheduler")
         counts = [0] * (len(GRAMMAR_COMPILE_BUCKETS) + 1)
         for s in scheds:
             for i, n in enumerate(s.grammar_compile_buckets[: len(counts)]):

@@ -62,6 +62,17 @@ CHAT_MESSAGE = {
             {"type": "null"},
         ]},
         "name": {"type": "string"},
+        "tool_calls": {
+            "description": "an assistant's earlier calls, rendered into the prompt",
+            "type": "array", "items": {
+                "type": "object", "required": ["function"],
+                "properties": {
+                    "id": {"type": "string"}, "type": {"type": "string", "enum": ["function"]},
+                    "function": {"type": "object", "required": ["name"], "properties": {
+                        "name": {"type": "string"},
+                        "arguments": {"type": "string", "description": "JSON text"}}},
+                }}},
+        "tool_call_id": {"type": "string", "description": "a `tool` message: the call it answers"},
     },
 }
 

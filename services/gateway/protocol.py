@@ -14,7 +14,18 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from common.messages import GenerateReq, SamplingParams
+from common.messages import GenerateReq, SamplingParams, StructuredOutputs
+from services.gateway.constraints import (
+    APIFieldError,
+    ResponseFormat,
+    StructuredOutputsField,
+    Tool,
+    ToolChoice,
+    ToolPlan,
+    chat_plan,
+    completion_constraint,
+    generate_constraint,
+)
 
 MAX_N = 16  # most choices (and most prompts) per request
 MAX_LOGPROBS = 20
@@ -105,6 +116,9 @@ class _Sampling(msgspec.Struct, kw_only=True):
     priority: Int = 0
     user: str | None = None
     cache_salt: CacheSalt | None = None
+    # at most one output constraint (services/gateway/constraints.py)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -113,6 +127,14 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    def tool_plan(self) -> tuple[StructuredOutputs | None, ToolPlan | None, list[dict] | None]:
+        """The output constraint, what to do with tools, and the tools for the prompt."""
+        return _field_errors(chat_plan, self.tools, self.tool_choice, self.parallel_tool_calls,
+                             self.response_format, self.structured_outputs)
 
     def prompt(self) -> dict:
         """Refuse here what could not even reach the tokenizer (it checks roles and content)."""
@@ -123,14 +145,18 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
             msgspec.msgpack.encode(self.messages)
         except (OverflowError, TypeError) as exc:  # e.g. an integer beyond 64 bits
             raise APIError(f"messages cannot be sent on: {exc}", "messages") from None
-        return {"messages": self.messages, "add_generation_prompt": self.add_generation_prompt}
+        _, _, tools = self.tool_plan()
+        return {"messages": self.messages, "add_generation_prompt": self.add_generation_prompt,
+                "tools": tools}
 
     def to_params(self, vocab_size: int, max_stops: int) -> SamplingParams:
         _check(not self.top_logprobs or self.logprobs, "top_logprobs needs logprobs: true",
                "top_logprobs")
         newer = self.max_completion_tokens is not None  # OpenAI's new name wins
+        constraint, _, _ = self.tool_plan()
         return _sampling_params(
-            self, max_tokens=self.max_completion_tokens if newer else self.max_tokens,
+            self, constraint=constraint,
+            max_tokens=self.max_completion_tokens if newer else self.max_tokens,
             min_tokens=self.min_tokens,
             max_tokens_param="max_completion_tokens" if newer else "max_tokens",
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
@@ -168,8 +194,11 @@ class CompletionRequest(_Sampling, kw_only=True):
         _check(self.best_of is None or self.best_of == self.n,
                "best_of other than n is not supported", "best_of")
         _check(not self.suffix, "suffix is not supported", "suffix")
+        constraint = _field_errors(completion_constraint, self.response_format,
+                                   self.structured_outputs)
         return _sampling_params(
-            self, max_tokens=16 if self.max_tokens is None else self.max_tokens,
+            self, constraint=constraint,
+            max_tokens=16 if self.max_tokens is None else self.max_tokens,
             min_tokens=self.min_tokens, max_tokens_param="max_tokens", logprobs=self.logprobs,
             vocab_size=vocab_size, max_stops=max_stops)
 
@@ -192,6 +221,10 @@ class GenerateSamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: N = 1
+    # SGLang's constraints (at most one)
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -215,9 +248,11 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
     def to_params(self, vocab_size: int, max_stops: int) -> SamplingParams:
         sp = self.sampling_params
+        constraint = _field_errors(generate_constraint, sp.json_schema, sp.regex, sp.ebnf)
         try:
             return _sampling_params(
-                sp, max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens,
+                sp, constraint=constraint,
+                max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens,
                 max_tokens_param="max_new_tokens",
                 logprobs=self.top_logprobs_num if self.return_logprob else None,
                 vocab_size=vocab_size, max_stops=max_stops)
@@ -319,6 +354,14 @@ def decode_body(body: bytes, kind: type) -> Any:
 
 
 # -- what the types cannot say: cross-field, vocabulary and --max-stop-strings checks ---------
+def _field_errors(build, *args):
+    """`build(*args)`, its APIFieldError a 400 naming the field."""
+    try:
+        return build(*args)
+    except APIFieldError as exc:
+        raise APIError(str(exc), exc.param) from None
+
+
 def _check(cond: bool, message: str, param: str) -> None:
     if not cond:
         raise APIError(message, param)
@@ -356,7 +399,8 @@ def _token_ids(ids: list, vocab_size: int) -> list[int]:
     return list(ids)
 
 
-def _sampling_params(src: _Sampling | GenerateSamplingParams, *, max_tokens: int | None,
+def _sampling_params(src: _Sampling | GenerateSamplingParams, *,
+                     constraint: StructuredOutputs | None, max_tokens: int | None,
                      min_tokens: int, max_tokens_param: str, logprobs: int | None,
                      vocab_size: int, max_stops: int) -> SamplingParams:
     """The fields every body shares, read by their common names; None is the default."""
@@ -387,4 +431,5 @@ def _sampling_params(src: _Sampling | GenerateSamplingParams, *, max_tokens: int
         ignore_eos=src.ignore_eos,
         skip_special_tokens=src.skip_special_tokens,
         include_stop_str_in_output=src.include_stop_str_in_output,
+        structured_outputs=constraint,
     )

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from common.messages import Finish, LogprobOut, TextOut
+from services.gateway import constraints
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from services.gateway.tracker import SubRequest
 
@@ -101,24 +102,32 @@ class ChatRenderer(_OpenAI):
         super().__init__(rid, model, decode, req)
         self.want_logprobs = req.logprobs
         self.sent_role: set[int] = set()
+        _, self.tools, _ = req.tool_plan()
+        self.tool_stream = constraints.ChatToolStream(self.tools) if self.tools else None
 
     def chunk(self, sub: SubRequest, out: TextOut) -> dict | None:
         delta: dict = {}
         if sub.index not in self.sent_role:  # the first chunk of each choice names the role
             self.sent_role.add(sub.index)
             delta = {"role": "assistant", "content": ""}
-        if out.text:
-            delta["content"] = out.text
         reason = _finish_reason(out)
+        if self.tool_stream is None:
+            if out.text:
+                delta["content"] = out.text
+        else:
+            reason = self.tool_stream.delta(sub.index, out.text, out.finish is not None, delta,
+                                            reason)
         if not delta and not reason and not (self.want_logprobs and out.logprobs):
             return None
         return self.body([{"index": sub.index, "delta": delta,
                            "logprobs": self.logprobs(out.logprobs), "finish_reason": reason}])
 
     def final(self, subs: list[SubRequest]) -> dict:
-        choices = [{"index": s.index, "message": {"role": "assistant", "content": s.text},
-                    "logprobs": self.logprobs(s.all_logprobs), "finish_reason": s.finish_reason}
-                   for s in subs]
+        choices = []
+        for s in subs:
+            message, reason = constraints.message(s.text, self.tools, s.finish_reason)
+            choices.append({"index": s.index, "message": message,
+                            "logprobs": self.logprobs(s.all_logprobs), "finish_reason": reason})
         return self.body(choices, usage(subs), obj="chat.completion")
 
     def logprobs(self, lps: list[LogprobOut] | None) -> dict | None:

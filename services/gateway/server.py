@@ -330,8 +330,8 @@ class GatewayService(Service):
             sub.token_ids += out.token_ids
             if out.finish is not None:
                 if out.finish.kind == "error":
-                    raise APIError(out.finish.message or "generation failed", None,
-                                   out.finish.status or 500)
+                    raise APIError(out.finish.message or "generation failed",
+                                   out.finish.param, out.finish.status or 500)
                 self.metrics.observe_finished(sub, out)
             yield ev
 

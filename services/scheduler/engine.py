@@ -330,8 +330,7 @@ class EngineCore:
         t0 = time.perf_counter()
         backend = self.grammars.backend
         bitmask = backend.allocate_bitmask(len(reqs))
-        for i in rows:
-            reqs[i].matcher.fill_bitmask(bitmask, i)
+        backend.fill_bitmasks([reqs[i].matcher for i in rows], bitmask, rows)
         backend.apply_bitmask(logits, bitmask, rows)
         blocked = {i for i in rows if not bool(bitmask[i].any())}
         stats.mask_s = time.perf_counter() - t0

@@ -47,7 +47,6 @@ class GrammarError(ValueError):
 
 
 class Matcher(Protocol):
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None: ...
     def accept(self, token: int) -> bool: ...
     def is_terminated(self) -> bool: ...
 
@@ -58,6 +57,9 @@ class GrammarBackend(Protocol):
     def compile(self, kind: str, text: str) -> Any:
         """Compile one constraint (`kind` as in `StructuredOutputs.kinds`); raises on error."""
     def matcher(self, compiled: Any) -> Matcher: ...
+    def fill_bitmasks(self, matchers: list[Matcher], bitmask: torch.Tensor,
+                      rows: list[int]) -> None:
+        """Row `rows[i]` of the bitmask: the tokens `matchers[i]` allows next."""
     def allocate_bitmask(self, rows: int) -> torch.Tensor: ...
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
                       rows: list[int]) -> None: ...
@@ -106,6 +108,7 @@ class XGrammarBackend:
         self.vocab_size = vocab_size
         # our own cache (below) counts hits; xgrammar's would hide them
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.batch = xgr.BatchGrammarMatcher(max_threads="auto")  # fills rows in parallel
 
     def compile(self, kind: str, text: str) -> Any:
         try:
@@ -120,6 +123,10 @@ class XGrammarBackend:
     def matcher(self, compiled: Any) -> Matcher:
         return _XGrammarMatcher(self.xgr.GrammarMatcher(compiled))
 
+    def fill_bitmasks(self, matchers: list[Matcher], bitmask: torch.Tensor,
+                      rows: list[int]) -> None:
+        self.batch.batch_fill_next_token_bitmask([m.m for m in matchers], bitmask, rows)
+
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
 
@@ -131,9 +138,6 @@ class XGrammarBackend:
 class _XGrammarMatcher:
     def __init__(self, m: Any) -> None:
         self.m = m
-
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        self.m.fill_next_token_bitmask(bitmask, row)
 
     def accept(self, token: int) -> bool:
         return self.m.accept_token(token)
