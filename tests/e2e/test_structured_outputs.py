@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import aiohttp
 import jsonschema
@@ -274,7 +275,15 @@ def test_streamed_bad_constraint_is_a_400_before_any_event(stack):
 def test_metrics_and_server_info_name_the_grammar_backend(stack):
     info = requests.get(stack.url + "/get_server_info", timeout=10).json()
     assert info["grammar_backend"] == "xgrammar"
-    text = requests.get(stack.url + "/metrics", timeout=10).text
-    assert metric(text, "tokenline:structured_output_requests_total") > 0
-    assert metric(text, "tokenline:grammar_cache_hits_total") > 0  # the same schema twice
-    assert metric(text, "tokenline:grammar_compile_seconds_count") > 0
+    body = {"prompt": "Pick one:", "max_tokens": 4,
+            "structured_outputs": {"choice": ["metrics one", "metrics two"]}}
+    for _ in range(2):  # the same constraint twice: the second finds it compiled
+        assert requests.post(stack.url + "/v1/completions", json=body, timeout=60).ok
+    for _ in range(100):  # the schedulers' next heartbeat brings the counts
+        text = requests.get(stack.url + "/metrics", timeout=10).text
+        if metric(text, "tokenline:grammar_cache_hits_total") > 0:
+            break
+        time.sleep(0.1)
+    assert metric(text, "tokenline:structured_output_requests_total") >= 2
+    assert metric(text, "tokenline:grammar_cache_hits_total") >= 1
+    assert metric(text, "tokenline:grammar_compile_seconds_count") >= 1
