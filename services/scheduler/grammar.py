@@ -36,6 +36,7 @@ from common.messages import GRAMMAR_COMPILE_BUCKETS, StructuredOutputs
 
 CACHE_ENTRIES = 512
 COMPILE_THREADS = 2
+QUEUE_WAIT_FACTOR = 3  # a compile not yet started fails after this many timeouts
 
 
 class GrammarError(ValueError):
@@ -160,6 +161,7 @@ class GrammarJob:
 
     compile: _Compile
     param: str | None
+    submitted: float = 0.0  # time.monotonic()
 
     @property
     def future(self) -> Future:
@@ -208,7 +210,7 @@ class GrammarCompiler:
             self.cache[key] = entry
             while len(self.cache) > CACHE_ENTRIES:
                 self.cache.popitem(last=False)
-        return GrammarJob(entry, so.param)
+        return GrammarJob(entry, so.param, time.monotonic())
 
     def _compile(self, entry: _Compile, kind: str, text: str) -> Any:
         entry.started = time.monotonic()
@@ -222,8 +224,14 @@ class GrammarCompiler:
     def timed_out(self, job: GrammarJob, now: float) -> bool:
         """Whether the compile has run longer than the timeout (time queued behind other
         compiles does not count: a burst of new schemas is not an error)."""
+        if job.future.done():
+            return False
         started = job.compile.started
-        return started is not None and not job.future.done() and now - started > self.timeout_s
+        if started is not None:
+            return now - started > self.timeout_s
+        # queued behind compiles that may never end (a pathological schema holds its thread):
+        # the wait is bounded too, more loosely
+        return now - job.submitted > QUEUE_WAIT_FACTOR * self.timeout_s
 
     def matcher(self, job: GrammarJob) -> Matcher:
         """The compiled grammar's matcher (the job is done); raises GrammarError if it failed."""
