@@ -55,6 +55,11 @@ def make_tiny(family: str, target: Path, tokenizer_from: Path, seed: int = 0) ->
                 p.normal_(0, 0.1)
             else:  # norms and biases away from their 1 / 0 starts: their layout shows
                 p.add_(torch.randn_like(p) * 0.1)
+    return save_with_tokenizer(model, target, tokenizer_from)
+
+
+def save_with_tokenizer(model, target: Path, tokenizer_from: Path) -> Path:
+    """Save a random-weight model with another model's tokenizer files beside it."""
     model.save_pretrained(target, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                  "special_tokens_map.json"):

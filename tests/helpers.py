@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
+from bench.families import save_with_tokenizer
 from bench.servers import TokenlineServer, free_port, wait_healthy  # noqa: F401 (re-exported)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,12 +25,7 @@ def make_tiny_llama(target: Path, tokenizer_from: Path, **overrides) -> Path:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.1)
-    model.save_pretrained(target, safe_serialization=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "special_tokens_map.json"):
-        if (tokenizer_from / name).exists():
-            shutil.copy(tokenizer_from / name, target / name)
-    return target
+    return save_with_tokenizer(model, target, tokenizer_from)
 
 
 def engine_args(model: Path, **kw):
