@@ -59,19 +59,20 @@ def pytest_configure(config) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """One line CI shows: which fast paths this run exercised, and why the kernel is absent."""
-    from services.scheduler.attention import torch_backend
+    """One line CI shows: which fast paths this run exercised, and why a kernel is absent."""
+    from services.scheduler import native
 
-    native = torch_backend._native
-    if native is None:
-        kernel = "not asked for in this process"
-    elif native.module is not None:
-        kernel = "built"
-    else:
-        kernel = native.missing or f"BUILD FAILED: {native.error[:300]}"
+    def built(ext) -> str:
+        state = ext.state
+        if state is None:
+            return "not asked for in this process"
+        if state.module is not None:
+            return "built"
+        return state.missing or f"BUILD FAILED: {state.error[:300]}"
+
     calls = ", ".join(f"{name} x{n}" for name, n in sorted(FAST_PATH_CALLS.items())) or "none"
-    terminalreporter.write_line(
-        f"fast paths exercised in-process: {calls} (C++ decode kernel: {kernel})")
+    kernels = "; ".join(f"{ext.what}: {built(ext)}" for ext in native.EXTENSIONS)
+    terminalreporter.write_line(f"fast paths exercised in-process: {calls} ({kernels})")
 
 
 @pytest.fixture(scope="session")

@@ -86,8 +86,8 @@ def test_a_kernel_that_fails_to_build_is_an_error_not_a_fallback(tmp_path, monke
         pytest.skip(f"{native_kernels().missing}: nothing is built here")
     broken = tmp_path / "paged_decode_cpu.cpp"
     broken.write_text("#error a compile error, on purpose\n")
-    monkeypatch.setattr(torch_backend, "_SOURCE", broken)
-    monkeypatch.setattr(torch_backend, "_native", None)
+    monkeypatch.setattr(torch_backend.DECODE, "source", broken)
+    monkeypatch.setattr(torch_backend.DECODE, "_state", None)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
     monkeypatch.setenv("TOKENLINE_CPU_KERNELS", "1")
     assert torch_backend.cpu_kernels() is None  # users: plain torch, and the reason is kept

@@ -24,10 +24,6 @@ C++ kernel starts its walk at the window instead); the cache itself is the same 
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +32,7 @@ import torch.nn.functional as F
 
 from common.logging import get_logger
 from services.scheduler.attention.base import AttentionBackend, AttentionMetadata
+from services.scheduler.native import Extension, NativeKernels
 
 log = get_logger("attention")
 
@@ -237,79 +234,17 @@ class TorchBackend(AttentionBackend):
 
 
 # -- the native decode kernel -------------------------------------------------------------------
-_SOURCE = Path(__file__).with_name("paged_decode_cpu.cpp")
 
 
-@dataclass
-class NativeKernels:
-    """Whether the C++ decode kernel was built here, and if not, why not.
-
-    `missing` says what the machine lacks (no compiler, no ninja) or that it was switched off:
-    the torch path is all there is, as intended. `error` is a build that should have worked and
-    did not: users still get the torch path, but tests treat it as a failure, and with
-    TOKENLINE_CPU_KERNELS=require (the test suite sets it) it raises instead of falling back.
-    """
-
-    module: object | None = None
-    missing: str | None = None
-    error: str | None = None
-
-
-_native: NativeKernels | None = None
+# the C++ decode kernel (services/scheduler/native.py builds it)
+DECODE = Extension(Path(__file__).with_name("paged_decode_cpu.cpp"), "the CPU decode kernel")
 
 
 def cpu_kernels():
-    """The C++ decode kernel, or None where it cannot be built (see `native_kernels`). The first
-    call on a machine compiles it (tens of seconds); torch keeps the build under
-    ~/.cache/torch_extensions, so later processes load it in a moment."""
-    return native_kernels().module
+    """The C++ decode kernel, or None where it cannot be built (see `native_kernels`)."""
+    return DECODE.module()
 
 
 def native_kernels() -> NativeKernels:
     """The kernel and the reason it is absent, built (or found wanting) once per process."""
-    global _native
-    if _native is None:
-        _native = _build()
-    if _native.error and os.environ.get("TOKENLINE_CPU_KERNELS") == "require":
-        raise RuntimeError(f"the CPU decode kernel did not build: {_native.error}")
-    return _native
-
-
-def _build() -> NativeKernels:
-    if os.environ.get("TOKENLINE_CPU_KERNELS", "1") == "0":
-        return NativeKernels(missing="switched off (TOKENLINE_CPU_KERNELS=0)")
-    from torch.utils import cpp_extension
-
-    # pip's ninja (a dependency) sits next to the interpreter, which need not be on PATH
-    here = Path(sys.executable).parent
-    path = os.environ.get("PATH", "")
-    if (here / "ninja").exists() and str(here) not in path.split(os.pathsep):
-        os.environ["PATH"] = f"{here}{os.pathsep}{path}"
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        missing = f"no C++ compiler ({cxx} is not on PATH)"
-    elif not cpp_extension.is_ninja_available():
-        missing = "no ninja"
-    else:
-        missing = None
-    if missing:
-        log.info(f"{missing}: CPU decode attention stays in plain torch")
-        return NativeKernels(missing=missing)
-    # -fopenmp: at::parallel_for is an OpenMP loop only when the extension is built so
-    cflags = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-    # -march=native: the build is for this CPU, so the CPU's flags are part of its name; so is
-    # the source's path, which ninja's build file holds: two checkouts sharing one build
-    # directory would rebuild it for each other on every load
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    key = hashlib.sha256(b"\0".join([_SOURCE.read_bytes(), str(_SOURCE).encode(),
-                                     cpu_flags.encode(), torch.__version__.encode(),
-                                     " ".join(cflags).encode()]))
-    name = f"tokenline_paged_decode_{key.hexdigest()[:12]}"
-    try:
-        module = cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=cflags,
-                                    extra_ldflags=["-fopenmp"])
-    except Exception as exc:  # noqa: BLE001 - a failed build: the torch path, and say why
-        log.warning(f"could not build the CPU decode kernel, using plain torch: {exc}")
-        return NativeKernels(error=f"{type(exc).__name__}: {exc}")
-    return NativeKernels(module=module)
+    return DECODE.kernels()

@@ -1,0 +1,109 @@
+"""The scheduler's C++ CPU kernels: each source file one extension, compiled on first use.
+
+Each `Extension` is one .cpp file next to the code that calls it, built with
+`torch.utils.cpp_extension.load` the first time a process asks for it (tens of seconds) and
+loaded from torch's cache (~/.cache/torch_extensions) after that. Where the machine cannot
+build it (no compiler, no ninja, or switched off with TOKENLINE_CPU_KERNELS=0) the callers run
+plain torch. A build that should have worked and did not is kept as an error: users still get
+the torch path, and with TOKENLINE_CPU_KERNELS=require (the test suite sets it) it raises.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.logging import get_logger
+
+log = get_logger("native")
+
+# -fopenmp: at::parallel_for is an OpenMP loop only when the extension is built so
+CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+@dataclass
+class NativeKernels:
+    """One extension: its module, or why there is none. `missing` says what the machine lacks
+    (or that it was switched off); `error` is a build that failed."""
+
+    module: object | None = None
+    missing: str | None = None
+    error: str | None = None
+
+
+class Extension:
+    """One C++ source, built (or found wanting) once per process."""
+
+    def __init__(self, source: Path, what: str) -> None:
+        self.source = source
+        self.what = what  # for log lines and errors: "the CPU decode kernel"
+        self._state: NativeKernels | None = None
+        EXTENSIONS.append(self)
+
+    @property
+    def state(self) -> NativeKernels | None:
+        """What was built, or None when no one in this process asked yet."""
+        return self._state
+
+    def kernels(self) -> NativeKernels:
+        if self._state is None:
+            self._state = self._build()
+        if self._state.error and os.environ.get("TOKENLINE_CPU_KERNELS") == "require":
+            raise RuntimeError(f"{self.what} did not build: {self._state.error}")
+        return self._state
+
+    def module(self):
+        """The built module, or None where it cannot be built."""
+        return self.kernels().module
+
+    def _build(self) -> NativeKernels:
+        if os.environ.get("TOKENLINE_CPU_KERNELS", "1") == "0":
+            return NativeKernels(missing="switched off (TOKENLINE_CPU_KERNELS=0)")
+        missing = _toolchain_missing()
+        if missing:
+            log.info(f"{missing}: {self.what} is not built, plain torch runs instead")
+            return NativeKernels(missing=missing)
+        try:
+            module = torch.utils.cpp_extension.load(
+                name=self._name(), sources=[str(self.source)], extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"])
+        except Exception as exc:  # noqa: BLE001 - a failed build: the torch path, and say why
+            log.warning(f"could not build {self.what}, using plain torch: {exc}")
+            return NativeKernels(error=f"{type(exc).__name__}: {exc}")
+        return NativeKernels(module=module)
+
+    def _name(self) -> str:
+        """-march=native: the build is for this CPU, so the CPU's flags are part of its name; so
+        is the source's path, which ninja's build file holds: two checkouts sharing one build
+        directory would rebuild it for each other on every load."""
+        cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+        cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
+        key = hashlib.sha256(b"\0".join([self.source.read_bytes(), str(self.source).encode(),
+                                         cpu_flags.encode(), torch.__version__.encode(),
+                                         " ".join(CFLAGS).encode()]))
+        return f"tokenline_{self.source.stem}_{key.hexdigest()[:12]}"
+
+
+EXTENSIONS: list[Extension] = []
+
+
+def _toolchain_missing() -> str | None:
+    import torch.utils.cpp_extension as cpp_extension
+
+    # pip's ninja (a dependency) sits next to the interpreter, which need not be on PATH
+    here = Path(sys.executable).parent
+    path = os.environ.get("PATH", "")
+    if (here / "ninja").exists() and str(here) not in path.split(os.pathsep):
+        os.environ["PATH"] = f"{here}{os.pathsep}{path}"
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler ({cxx} is not on PATH)"
+    if not cpp_extension.is_ninja_available():
+        return "no ninja"
+    return None
