@@ -4,8 +4,12 @@ One run times, on SmolLM2-135M's projection shapes (fused qkv, o, fused gate/up,
 tied lm_head) at batch 1 and 64, every way we can multiply by a weight:
 
 - float32 / bfloat16 through oneDNN from a packed copy (what `--quantization none` runs);
-- int8 per-output-channel scales, `torch._weight_int8pack_mm`, activations float32 or bf16;
-- int4 group-32 scales and zero points, `torch._weight_int4pack_mm_for_cpu`, float32 or bf16;
+- ours: int8 and int4 group-32 weights through services/scheduler/quant_cpu.cpp, float32 in
+  and out (what `--quantization int8|int4` runs);
+- torch's: `torch._weight_int8pack_mm` (int8 per output row) and
+  `torch._weight_int4pack_mm_for_cpu` (int4 group 32), with bfloat16 activations, the only
+  ones torch vectorizes (its float32 paths measured 28-200x slower): the fallback without a
+  compiler;
 
 and prints milliseconds per call and the sum over one decode step (30 layers + lm_head), so
 the choice per batch size is one table. With --steps it also times whole decode steps of the
@@ -52,15 +56,17 @@ def _candidates(weight: torch.Tensor) -> dict[str, tuple[Callable, torch.dtype]]
     """Each kernel as (x -> out, the activation dtype it takes)."""
     f32 = onednn_pack(weight)
     bf16 = onednn_pack(weight, torch.bfloat16)
-    int8 = {dt: quant.Int8Linear.quantize(weight, dt) for dt in (torch.float32, torch.bfloat16)}
-    int4 = {dt: quant.Int4Linear.quantize(weight, dt) for dt in (torch.float32, torch.bfloat16)}
+    int8, int4 = quant.Int8Plain.quantize(weight), quant.Int4Plain.quantize(weight)
+    ours8, ours4 = int8.pack(), int4.pack()
+    torch8 = quant.TorchInt8Linear.quantize(weight)
+    torch4 = quant.TorchInt4Linear.from_plain(int4)
     return {
         "f32_onednn": (lambda x: onednn_linear(x, f32, None), torch.float32),
         "bf16_onednn": (lambda x: onednn_linear(x, bf16, None), torch.float32),
-        "int8_f32": (int8[torch.float32].matmul, torch.float32),
-        "int8_bf16": (int8[torch.bfloat16].matmul, torch.bfloat16),
-        "int4_f32": (int4[torch.float32].matmul, torch.float32),
-        "int4_bf16": (int4[torch.bfloat16].matmul, torch.bfloat16),
+        "int8_ours": (ours8.matmul, torch.float32),
+        "int4_ours": (ours4.matmul, torch.float32),
+        "int8_torch": (torch8.matmul, torch.bfloat16),
+        "int4_torch": (torch4.matmul, torch.bfloat16),
     }
 
 
@@ -121,7 +127,7 @@ def decode_steps(batches: list[int], context: int, min_s: float) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.quant_kernels",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 7, 64])
     parser.add_argument("--min-seconds", type=float, default=0.3,
                         help="time each kernel and shape for at least this long")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")

@@ -47,8 +47,12 @@ def _count_fast_paths() -> None:
     layers.onednn_linear = count(
         lambda x, packed, *_: f"oneDNN {str(packed.dtype).removeprefix('torch.')} linears",
         layers.onednn_linear)
-    quant.Int8Linear.matmul = count(lambda *_: "int8 linears", quant.Int8Linear.matmul)
-    quant.Int4Linear.matmul = count(lambda *_: "int4 linears", quant.Int4Linear.matmul)
+    quant.Int8Linear.matmul = count(lambda *_: "C++ int8 linears", quant.Int8Linear.matmul)
+    quant.Int4Linear.matmul = count(lambda *_: "C++ int4 linears", quant.Int4Linear.matmul)
+    quant.TorchInt8Linear.matmul = count(lambda *_: "torch int8 linears (the fallback)",
+                                         quant.TorchInt8Linear.matmul)
+    quant.TorchInt4Linear.matmul = count(lambda *_: "torch int4 linears (the fallback)",
+                                         quant.TorchInt4Linear.matmul)
     triton_backend.TritonBackend.forward = count(
         lambda self, q, *_: f"Triton attention ({'CUDA' if q.is_cuda else 'interpreter'})",
         triton_backend.TritonBackend.forward)

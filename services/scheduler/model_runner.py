@@ -106,9 +106,10 @@ class ModelRunner:
         self.linear_backend = "torch"
         self.quantization = self._quantize(quantization, gguf_path)
         if self.quantization is not None:
-            self.linear_backend = "torch_" + quantization
+            # native_int8: our C++ kernels (float32 in and out); torch_int8: torch's (bfloat16)
+            self.linear_backend = f"{self.quantization.kernel}_{quantization}"
             if self.device.type == "cpu":
-                self.linear_dtype = quant.KERNEL_DTYPE
+                self.linear_dtype = quant.kernel_dtype()
         elif self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_enabled():
             self.model.pack_for_cpu(self.linear_dtype)
             self.linear_backend = "onednn"
@@ -150,13 +151,11 @@ class ModelRunner:
                 log.info(f"{gguf_path.name}: weights run dequantized to {self.linear_dtype} "
                          "(--quantization int8 or int4 runs them quantized)")
             return None
-        # only int4 reads the file's own blocks: int8 quantizes the floats (the same numbers
-        # as requantizing Q8_0 per row), and reading a GGUF's header takes seconds
-        gguf = quant.GGUFWeights(gguf_path, self.config) if gguf_path and mode == "int4" else None
+        # the file's own Q8_0 (int8, and the embedding under int4) and 4-bit blocks (int4)
+        gguf = quant.GGUFWeights(gguf_path, self.config) if gguf_path else None
         if gguf is not None:
             gguf.check(mode)
-        return quant.quantize_model(self.model, mode, gguf, packed=self.device.type == "cpu",
-                                    dtype=quant.KERNEL_DTYPE)
+        return quant.quantize_model(self.model, mode, gguf, packed=self.device.type == "cpu")
 
     def _pick_attention_kernel(self, num_heads: int) -> str:
         """On CPU in float32, decodes go through the C++ kernel when it builds for this shape."""

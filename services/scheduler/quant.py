@@ -1,21 +1,35 @@
-"""Weight-only quantized linears: int8 per output channel, int4 in groups of 32 along K.
+"""Weight-only quantized linears: int8 and int4 in groups of 32 along K, run by our C++ kernels.
 
 Each format has a plain form (codes and scales as ordinary tensors: the dequantize-then-matmul
-reference, and what GGUF blocks are read into) and a packed form that torch's CPU kernels run:
+reference, and what GGUF blocks are read into) and a packed form that a kernel runs:
 
-    int8   w[n, k] = scale[n] * q[n, k]                      q int8 in [-127, 127]
-           torch._weight_int8pack_mm(x, q, scale)
-    int4   w[n, k] = scale[n, g] * c[n, k] + minimum[n, g]   c in [0, 15], g = k // 32
-           torch._weight_int4pack_mm_for_cpu(x, packed, 32, scale_zeros)
-           where the kernel computes (c - 8) * scale + zero, so zero = minimum + 8 * scale
+    w[n, k] = scale[n, g] * c[n, k] + minimum[n, g]     g = k // 32, c in [0, 255] (int8)
+                                                        or [0, 15] (int4)
 
-GGUF's 4-bit types map onto the int4 form exactly (no requantization): Q4_0 is d * (c - 8), so
-minimum = -8d; Q4_1 is d * c + m, so minimum = m; Q4_K's sub-blocks of 32 are (d * sc) * c -
-(dmin * m), so scale = d * sc and minimum = -dmin * m. GGUF's Q8_0 has one scale per 32 values,
-torch's int8 kernel one per output row: Q8_0 rows are requantized per row, which is what
-quantizing the dequantized floats gives too (those floats are exactly Q8_0's values).
+Both map onto GGUF's blocks exactly, with no requantization (verified: tests/unit/test_quant.py
+checks each against gguf-py's own dequantization):
 
-The activations stay in the model's dtype (float32 on CPU); the kernels take float32 as it is.
+- Q8_0 is d * q per 32 values, q in [-127, 127]: scale = d, minimum = -128 d, c = q + 128;
+- Q4_0 is d * (c - 8): scale = d, minimum = -8 d;
+- Q4_1 is d * c + m: scale = d, minimum = m;
+- Q4_K's super-blocks of 256 are 8 sub-blocks of 32, each (d * sc) * c - (dmin * m) with 6-bit
+  sc and m: scale = d * sc, minimum = -dmin * m, exact per-32 float32 values (11 + 6 bits).
+
+Q8_0, Q4_0 and Q4_1 scales are float16 in the file and stay float16 here; Q4_K's d * sc need up
+to 17 bits, so those layers keep float32 scales (`_scale_dtype` picks, per layer, the narrowest
+dtype that holds them exactly).
+Other types and float weights are quantized at load: each group's min and max map to the
+lowest and highest code (float16 scale and minimum). int8 from a Q4_1 file is such a
+requantization: a group of Q4_1 values whose codes span 0..15 lands exactly on the int8 grid
+(255 = 17 x 15), any other within half an int8 step.
+
+The packed forms are 16 output channels interleaved per k (quant_cpu.cpp), and the kernels take
+and return float32 with float32 sums: they differ from the reference by summation order only.
+bfloat16 activations are accepted (converted around the call). Where the C++ kernels cannot be
+built (no compiler), torch's own CPU kernels run instead (`torch._weight_int8pack_mm`, per-row
+int8 requantized from our groups, and `torch._weight_int4pack_mm_for_cpu`), with bfloat16
+activations: those are the only ones torch vectorizes (float32 ones measured 28-200x slower).
+
 On CUDA the quantized weights are dequantized once at load to the model dtype (see
 `ModelRunner`): --quantization then saves nothing on the GPU but never fails there.
 """
@@ -31,64 +45,95 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.logging import get_logger
+from services.scheduler.native import Extension
 
 log = get_logger("quant")
 
-# torch's CPU int8 and int4 kernels are vectorized for bfloat16 activations only (float32 ones
-# measured 28-200x slower, bench/quant_kernels.py): the matmul's input is cast to bfloat16.
-KERNEL_DTYPE = torch.bfloat16
-GROUP = 32  # int4 values per scale; GGUF's Q4_0/Q4_1 block and Q4_K's sub-block
+KERNELS = Extension(Path(__file__).with_name("quant_cpu.cpp"), "the CPU int8/int4 matmul kernels")
+
+# torch's CPU int8 and int4 kernels (the fallback) are vectorized for bfloat16 activations only
+TORCH_KERNEL_DTYPE = torch.bfloat16
+GROUP = 32  # values per scale: GGUF Q8_0's, Q4_0/Q4_1's block and Q4_K's sub-block
+LANES = 16  # output channels per tile of the C++ kernels
 _INT4_N_ALIGN = 16  # torch's CPU int4 packing wants N divisible by 16
 # torch's bfloat16 int8 kernel reads past the row (garbage out, or a crash) when K is not a
 # multiple of 16 (torch 2.13, seen with K = 8, 24, 100): rows are padded with zeros to 32
 _INT8_K_ALIGN = 32
+_F16_TINY = 2.0**-24  # float16's smallest positive value: a scale never rounds to zero
+_F16_MAX = 65504.0
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def native() -> bool:
+    """Whether the C++ kernels run here (else torch's; raises under TOKENLINE_CPU_KERNELS=require
+    when they should have built and did not)."""
+    return KERNELS.module() is not None
+
+
+def kernel_dtype() -> torch.dtype:
+    """The activation dtype the quantized matmuls compute in on CPU."""
+    return torch.float32 if native() else TORCH_KERNEL_DTYPE
+
+
+def _to_f16_grid(scale: torch.Tensor) -> torch.Tensor:
+    """Scales rounded to float16 (held as float32), never zero: codes are computed against the
+    scale the kernel will use."""
+    return scale.clamp(_F16_TINY, _F16_MAX).half().float()
+
+
+def _scale_dtype(*scales: torch.Tensor) -> torch.dtype:
+    """float16 where every value survives the round trip (Q8_0, Q4_0, Q4_1, at-load), else
+    float32 (Q4_K's d * sc)."""
+    exact = all(torch.equal(s.half().float(), s) for s in scales)
+    return torch.float16 if exact else torch.float32
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    """[N, X] -> [ceil(N/16), X, 16]: 16 output channels interleaved per column, N padded."""
+    n = t.shape[0]
+    t = F.pad(t, (0, 0, 0, _round_up(n, LANES) - n))
+    return t.view(-1, LANES, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def _native_matmul(fn, x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, n: int,
+                   k: int) -> torch.Tensor:
+    """x [..., k] (float32 or bfloat16) through a C++ kernel; the result in x's dtype."""
+    x2 = x.reshape(-1, k)
+    if x2.dtype != torch.float32:
+        x2 = x2.float()
+    kp = scales.shape[1] * GROUP
+    if kp != k:
+        x2 = F.pad(x2, (0, kp - k))
+    out = fn(x2.contiguous(), tiles, scales, n)
+    out = out.view(*x.shape[:-1], n)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
 @dataclass
-class Int8Plain:
-    """q [N, K] int8 and scale [N] float32: w = scale[:, None] * q."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-
-    @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int8Plain:
-        """Symmetric, per output row: the row's largest |w| maps to 127."""
-        w = weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q, scale)
-
-    def dequantize(self) -> torch.Tensor:
-        return self.q.float() * self.scale[:, None]
-
-    def pack(self, dtype: torch.dtype = torch.float32) -> Int8Linear:
-        k = self.q.shape[1]
-        q = F.pad(self.q, (0, _round_up(k, _INT8_K_ALIGN) - k)).contiguous()
-        return Int8Linear(q, self.scale.to(dtype), k)
-
-
-@dataclass
-class Int4Plain:
-    """codes [N, K] uint8 in 0..15, scale and minimum [N, K/32] float32 (K a multiple of 32)."""
+class _GroupPlain:
+    """codes [N, Kp] uint8, scale and minimum [N, Kp/32] float32 (Kp = K padded with zeros to
+    a whole group): w[n, k] = scale[n, k // 32] * codes[n, k] + minimum[n, k // 32]."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     minimum: torch.Tensor
     in_features: int  # K before padding to a whole group
 
+    LEVELS = 0  # the largest code
+
     @classmethod
-    def quantize(cls, weight: torch.Tensor) -> Int4Plain:
-        """Asymmetric per group of 32 (as GGUF's Q4_1): the group's min and max map to 0 and 15."""
+    def quantize(cls, weight: torch.Tensor):
+        """Asymmetric per group of 32 (as GGUF's Q4_1): the group's min and max map to 0 and
+        the largest code, with the scale and minimum rounded to float16 first (the codes are
+        for the numbers the kernel will use)."""
         n, k = weight.shape
         w = F.pad(weight.detach().float(), (0, _round_up(k, GROUP) - k)).view(n, -1, GROUP)
-        lo, hi = w.amin(dim=2), w.amax(dim=2)
-        scale = ((hi - lo) / 15).clamp(min=1e-12)
-        codes = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, 15)
+        lo = w.amin(dim=2).clamp(-_F16_MAX, _F16_MAX).half().float()
+        scale = _to_f16_grid((w.amax(dim=2) - lo) / cls.LEVELS)
+        codes = torch.round((w - lo[..., None]) / scale[..., None]).clamp_(0, cls.LEVELS)
         return cls(codes.to(torch.uint8).view(n, -1), scale, lo, k)
 
     def dequantize(self) -> torch.Tensor:
@@ -96,18 +141,108 @@ class Int4Plain:
         w = self.codes.view(n, -1, GROUP).float() * self.scale[..., None] + self.minimum[..., None]
         return w.view(n, -1)[:, : self.in_features]
 
-    def pack(self, dtype: torch.dtype = torch.float32) -> Int4Linear:
+    def select(self, rows: torch.Tensor | slice):
+        return type(self)(self.codes[rows], self.scale[rows], self.minimum[rows],
+                          self.in_features)
+
+    @classmethod
+    def cat(cls, parts: list):
+        return cls(*(torch.cat([getattr(p, f) for p in parts])
+                     for f in ("codes", "scale", "minimum")), parts[0].in_features)
+
+    def _scale_min(self) -> torch.Tensor:
+        """[T, Kp/32, 2, 16]: each group's 16 scales, then its 16 minimums."""
+        dtype = _scale_dtype(self.scale, self.minimum)
+        return torch.stack([_tiles(self.scale), _tiles(self.minimum)], dim=2).to(dtype)
+
+
+class Int8Plain(_GroupPlain):
+    """Codes 0..255. Against symmetric int8 (Q8_0's d * q), the group's range [min, max] gets
+    all 256 levels rather than [-max|w|, max|w|] 255: at least as fine, and a Q8_0 block is one
+    such group as it is (scale d, minimum -128 d, codes q + 128)."""
+
+    LEVELS = 255
+
+    def pack(self) -> Int8Linear | TorchInt8Linear:
+        """For our kernel where it builds, else for torch's (per-row int8, bfloat16 in)."""
+        if native():
+            return Int8Linear(_tiles(self.codes), self._scale_min().contiguous(),
+                              self.codes.shape[0], self.in_features)
+        return TorchInt8Linear.quantize(self.dequantize())
+
+
+class Int4Plain(_GroupPlain):
+    """Codes 0..15: GGUF Q4_0, Q4_1 and Q4_K map onto it as they are."""
+
+    LEVELS = 15
+
+    def pack(self) -> Int4Linear | TorchInt4Linear:
+        """For our kernel where it builds, else for torch's (bfloat16 in)."""
+        if not native():
+            return TorchInt4Linear.from_plain(self)
         n, kp = self.codes.shape
-        pad = _round_up(n, _INT4_N_ALIGN) - n
-        codes = F.pad(self.codes.to(torch.int32), (0, 0, 0, pad))
-        scale = F.pad(self.scale, (0, 0, 0, pad))
-        zero = F.pad(self.minimum, (0, 0, 0, pad)) + 8 * scale
-        packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-        scale_zeros = torch.stack([scale.t(), zero.t()], dim=2).to(dtype).contiguous()
-        return Int4Linear(packed, scale_zeros, n, self.in_features, kp)
+        pairs = self.codes.view(n, kp // 2, 2)
+        packed = pairs[..., 0] | (pairs[..., 1] << 4)  # k = 2j low nibble, 2j + 1 high
+        return Int4Linear(_tiles(packed), self._scale_min().contiguous(), n, self.in_features)
 
 
 class Int8Linear:
+    """x @ w.T for an int8 group-32 weight, through our C++ kernel (float32 in and out)."""
+
+    def __init__(self, tiles: torch.Tensor, scale_min: torch.Tensor, out_features: int,
+                 in_features: int) -> None:
+        self.tiles = tiles  # [T, Kp, 16] uint8
+        self.scale_min = scale_min  # [T, Kp/32, 2, 16] float16 or float32
+        self.out_features = out_features
+        self.in_features = in_features
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int8Linear | TorchInt8Linear:
+        return Int8Plain.quantize(weight).pack()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return _native_matmul(KERNELS.module().int8_linear, x, self.tiles, self.scale_min,
+                              self.out_features, self.in_features)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows `ids` (a tied embedding's lookups)."""
+        tile, lane = ids // LANES, ids % LANES
+        codes = self.tiles[tile, :, lane].view(len(ids), -1, GROUP).float()
+        sm = self.scale_min[tile, :, :, lane].float()  # [len(ids), Kp/32, 2]
+        w = codes * sm[..., 0:1] + sm[..., 1:2]
+        return w.view(len(ids), -1)[:, : self.in_features].to(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes + self.scale_min.nbytes
+
+
+class Int4Linear:
+    """x @ w.T for an int4 group-32 weight with scale and minimum, through our C++ kernel."""
+
+    def __init__(self, tiles: torch.Tensor, scale_min: torch.Tensor, out_features: int,
+                 in_features: int) -> None:
+        self.tiles = tiles  # [T, Kp/2, 16] uint8, two codes a byte
+        self.scale_min = scale_min  # [T, Kp/32, 2, 16] float16 or float32
+        self.out_features = out_features
+        self.in_features = in_features
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Int4Linear | TorchInt4Linear:
+        return Int4Plain.quantize(weight).pack()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return _native_matmul(KERNELS.module().int4_linear, x, self.tiles, self.scale_min,
+                              self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes + self.scale_min.nbytes
+
+
+# -- torch's own CPU kernels: the fallback where ours cannot be built ---------------------------
+
+class TorchInt8Linear:
     """x @ w.T for an int8 weight with per-row scales, through torch's CPU int8 kernel."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, in_features: int) -> None:
@@ -116,8 +251,15 @@ class Int8Linear:
         self.in_features = in_features
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> Int8Linear:
-        return Int8Plain.quantize(weight).pack(dtype)
+    def quantize(cls, weight: torch.Tensor,
+                 dtype: torch.dtype = TORCH_KERNEL_DTYPE) -> TorchInt8Linear:
+        """Symmetric, per output row: the row's largest |w| maps to 127."""
+        n, k = weight.shape
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+        q = F.pad(q, (0, _round_up(k, _INT8_K_ALIGN) - k)).contiguous()
+        return cls(q, scale.to(dtype), k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         xin = x if x.dtype == self.scale.dtype else x.to(self.scale.dtype)
@@ -126,7 +268,6 @@ class Int8Linear:
         return torch._weight_int8pack_mm(xin, self.q, self.scale).to(x.dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantized rows `ids` (a tied embedding's lookups)."""
         q = self.q.index_select(0, ids)[:, : self.in_features]
         return q.to(dtype) * self.scale.index_select(0, ids)[:, None].to(dtype)
 
@@ -135,8 +276,9 @@ class Int8Linear:
         return self.q.nbytes + self.scale.nbytes
 
 
-class Int4Linear:
-    """x @ w.T for an int4 group-32 weight, through torch's CPU int4 kernel."""
+class TorchInt4Linear:
+    """x @ w.T for an int4 group-32 weight, through torch's CPU int4 kernel, which computes
+    (c - 8) * scale + zero: so zero = minimum + 8 * scale."""
 
     def __init__(self, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
                  in_features: int, padded_in: int) -> None:
@@ -147,8 +289,16 @@ class Int4Linear:
         self.padded_in = padded_in
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> Int4Linear:
-        return Int4Plain.quantize(weight).pack(dtype)
+    def from_plain(cls, plain: Int4Plain,
+                   dtype: torch.dtype = TORCH_KERNEL_DTYPE) -> TorchInt4Linear:
+        n, kp = plain.codes.shape
+        pad = _round_up(n, _INT4_N_ALIGN) - n
+        codes = F.pad(plain.codes.to(torch.int32), (0, 0, 0, pad))
+        scale = F.pad(plain.scale, (0, 0, 0, pad))
+        zero = F.pad(plain.minimum, (0, 0, 0, pad)) + 8 * scale
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+        scale_zeros = torch.stack([scale.t(), zero.t()], dim=2).to(dtype).contiguous()
+        return cls(packed, scale_zeros, n, plain.in_features, kp)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         xin = x if x.dtype == self.scale_zeros.dtype else x.to(self.scale_zeros.dtype)
@@ -164,7 +314,7 @@ class Int4Linear:
         return self.packed.nbytes + self.scale_zeros.nbytes
 
 
-# -- GGUF blocks into the plain int4 form -------------------------------------------------------
+# -- GGUF blocks into the plain forms -----------------------------------------------------------
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """[..., 2] little-endian bytes -> [...] float32."""
@@ -193,11 +343,13 @@ def _q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     mn = torch.cat([hi & 63, (q[..., 8:12] >> 4) | ((hi >> 6) << 4)], dim=-1)
     qs = b[..., 16:144].view(*b.shape[:-1], 4, 32)
     codes = torch.stack([qs & 15, qs >> 4], dim=-2)  # [N, nb, 4, 2, 32]: sub-block 2i, 2i+1
+    # d * sc and dmin * m are exact in float32 (11 + 6 bits): per-32 floats, no rounding
     return codes.reshape(*b.shape[:-1], 8, 32), d * sc.float(), -dmin * mn.float()
 
 
 # GGUF type -> (values per block, bytes per block, decoder to codes, scale, minimum)
 _INT4_TYPES = {"Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q4_K": (256, 144, _q4_k)}
+_INT8_TYPES = ("Q8_0",)
 
 
 def int4_from_gguf(type_name: str, raw: torch.Tensor, in_features: int) -> Int4Plain:
@@ -209,9 +361,24 @@ def int4_from_gguf(type_name: str, raw: torch.Tensor, in_features: int) -> Int4P
                      in_features)
 
 
+def int8_from_gguf(raw: torch.Tensor, in_features: int) -> Int8Plain:
+    """A Q8_0 tensor's rows [N, bytes per row] (uint8), as they are: blocks of 34 bytes, d f16
+    then 32 int8 values q, w = d * q = d * (q + 128) - 128 d."""
+    n = raw.shape[0]
+    b = raw.reshape(n, -1, 34)
+    q = b[..., 2:34].contiguous().view(torch.int8).to(torch.int16)
+    d = _f16(b[..., 0:2])
+    return Int8Plain((q + 128).to(torch.uint8).reshape(n, -1), d.reshape(n, -1),
+                     (-128 * d).reshape(n, -1), in_features)
+
+
+Plain = Int8Plain | Int4Plain
+
+
 class GGUFWeights:
-    """A GGUF file's own 4-bit projections, by the HF name of the layer, rows in transformers'
-    order (llama.cpp stores a Llama's q and k rows permuted for its rotary layout)."""
+    """A GGUF file's own int8 (Q8_0) and 4-bit blocks, by the HF name of the layer, rows in
+    transformers' order (llama.cpp stores a Llama's q and k rows permuted for its rotary
+    layout)."""
 
     # our fused projections, made of the HF layers they concatenate along the output rows
     FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -248,38 +415,42 @@ class GGUFWeights:
                 "which int4 cannot run as they are (it runs Q4_0, Q4_1, Q4_K or float "
                 "weights); use --quantization int8 or none")
 
-    def int4(self, module_name: str) -> Int4Plain | None:
-        """Our layer `module_name` (e.g. layers.3.mlp.gate_up_proj) from the file's int4 blocks,
-        or None where the file does not hold all its parts in a type that maps exactly."""
+    def plain(self, module_name: str, mode: str) -> Plain | None:
+        """Our layer `module_name` (e.g. layers.3.mlp.gate_up_proj, or lm_head / embed_tokens)
+        from the file's blocks of `mode`'s kind, or None where the file does not hold all its
+        parts in a type that maps exactly."""
         head, _, leaf = module_name.rpartition(".")
-        parts = [self._one(f"model.{head}.{p}") for p in self.FUSED.get(leaf, (leaf,))]
+        prefix = f"model.{head}." if head else ("" if leaf == "lm_head" else "model.")
+        parts = [self._one(f"{prefix}{p}", mode) for p in self.FUSED.get(leaf, (leaf,))]
         if any(p is None for p in parts):
             return None
-        return Int4Plain(*(torch.cat([getattr(p, f) for p in parts])
-                           for f in ("codes", "scale", "minimum")), parts[0].in_features)
+        return type(parts[0]).cat(parts)
 
-    def _one(self, hf_name: str) -> Int4Plain | None:
+    def int4(self, module_name: str) -> Int4Plain | None:
+        return self.plain(module_name, "int4")
+
+    def _one(self, hf_name: str, mode: str) -> Plain | None:
         name = self.names and self.names.get_name(hf_name)
         t = self.tensors.get(f"{name}.weight")
-        if t is None or t.tensor_type.name not in _INT4_TYPES:
+        kind = t and t.tensor_type.name
+        if t is None or kind not in (_INT4_TYPES if mode == "int4" else _INT8_TYPES):
             return None
-        plain = int4_from_gguf(t.tensor_type.name, torch.from_numpy(np.array(t.data)),
-                               int(t.shape[0]))
+        raw, k = torch.from_numpy(np.array(t.data)), int(t.shape[0])
+        plain = int4_from_gguf(kind, raw, k) if mode == "int4" else int8_from_gguf(raw, k)
         leaf = hf_name.rpartition(".")[2]
         if self.arch == "llama" and leaf in ("q_proj", "k_proj"):
             c = self.config
             heads = c["num_attention_heads"] if leaf == "q_proj" else c.get(
                 "num_key_value_heads", c["num_attention_heads"])
-            n = plain.codes.shape[0]
+            n = raw.shape[0]
             # transformers' reverse_permute_weights, as a row order
             rows = torch.arange(n).view(heads, n // heads // 2, 2).transpose(1, 2).reshape(-1)
-            plain = Int4Plain(plain.codes[rows], plain.scale[rows], plain.minimum[rows],
-                              plain.in_features)
+            plain = plain.select(rows)
         return plain
 
 
 MODES = ("none", "int8", "int4")
-QuantizedWeight = Int8Linear | Int4Linear
+QuantizedWeight = Int8Linear | Int4Linear | TorchInt8Linear | TorchInt4Linear
 
 
 @dataclass
@@ -287,66 +458,75 @@ class QuantSummary:
     """What `quantize_model` did, for the start-up log and /get_server_info."""
 
     mode: str
-    from_file: int = 0  # layers whose int4 codes came from the GGUF as they are
+    kernel: str = "native"  # "native" (ours, float32), "torch" (bfloat16) or "dequantized"
+    from_file: int = 0  # layers whose codes came from the GGUF as they are
     at_load: int = 0  # layers quantized at load from their float weights
 
     def as_dict(self) -> dict:
-        return {"mode": self.mode, "layers_from_file": self.from_file,
+        return {"mode": self.mode, "kernel": self.kernel, "layers_from_file": self.from_file,
                 "layers_quantized_at_load": self.at_load}
 
 
-def _matches(plain: Int4Plain, weight: torch.Tensor) -> bool:
+def _matches(plain: Plain, weight: torch.Tensor) -> bool:
     """Whether `plain` dequantizes to `weight` (to float32 rounding), on every 16th row: a wrong
     name or row order moves nearly every row, and checking all of them doubles the load time."""
     rows = slice(None, None, 16)
-    sample = Int4Plain(plain.codes[rows], plain.scale[rows], plain.minimum[rows],
-                       plain.in_features)
-    return bool((sample.dequantize() - weight[rows].float()).abs().max() <= 1e-6)
+    deq = plain.select(rows).dequantize()
+    return deq.shape == weight[rows].shape and bool(
+        (deq - weight[rows].float()).abs().max() <= 1e-6)
 
 
-def quantize_model(model: nn.Module, mode: str, gguf: GGUFWeights | None, *, packed: bool,
-                   dtype: torch.dtype) -> QuantSummary:
-    """Quantize every projection (`mode`) and the lm_head and input embedding (int8, per row).
+def _plain(name: str, weight: torch.Tensor, mode: str, gguf: GGUFWeights | None,
+           summary: QuantSummary) -> Plain:
+    """Layer `name` in `mode`: the file's own blocks where they map exactly, else quantized."""
+    plain = gguf.plain(name, mode) if gguf is not None else None
+    # the file's codes must give back the floats transformers read from it, or the name or row
+    # mapping is off for this family: then quantize the floats instead
+    if plain is not None and not _matches(plain, weight):
+        log.warning(f"{name}: the GGUF's {mode} blocks do not match its float weights; "
+                    "quantizing the floats at load")
+        plain = None
+    summary.from_file += plain is not None
+    summary.at_load += plain is None
+    if plain is None:
+        plain = Int8Plain.quantize(weight) if mode == "int8" else Int4Plain.quantize(weight)
+    return plain
 
-    packed: run from torch's CPU kernels (activations in `dtype`); else dequantize on load into
-    the plain weights, in the model's dtype (CUDA: same numbers, no kernel). The lm_head and
-    the embedding stay int8 under int4 too, as llama.cpp's files keep them at 6-8 bits.
+
+def quantize_model(model: nn.Module, mode: str, gguf: GGUFWeights | None, *,
+                   packed: bool) -> QuantSummary:
+    """Quantize every projection (`mode`) and the lm_head and input embedding (int8).
+
+    packed: run from the CPU kernels; else dequantize on load into the plain weights, in the
+    model's dtype (CUDA: same numbers, no kernel). The lm_head and the embedding stay int8
+    under int4 too, as llama.cpp's files keep them at 6-8 bits.
     """
     from services.scheduler.models.layers import Linear  # the model imports this module
 
-    summary = QuantSummary(mode)
+    summary = QuantSummary(mode, kernel=("native" if native() else "torch") if packed
+                           else "dequantized")
     for name, module in model.named_modules():
         if not isinstance(module, Linear) or module.weight is None:
             continue
         weight = module.weight
-        plain: Int8Plain | Int4Plain | None = None
-        if mode == "int4" and gguf is not None:
-            plain = gguf.int4(name)
-            # the file's codes must give back the floats transformers read from it, or the
-            # name or row mapping is off for this family: then quantize the floats instead
-            if plain is not None and not _matches(plain, weight):
-                log.warning(f"{name}: the GGUF's int4 blocks do not match its float weights; "
-                            "quantizing the floats at load")
-                plain = None
-        summary.from_file += plain is not None
-        summary.at_load += plain is None
-        if plain is None:
-            plain = Int8Plain.quantize(weight) if mode == "int8" else Int4Plain.quantize(weight)
+        plain = _plain(name, weight, mode, gguf, summary)
         if packed:
-            module.quantized = plain.pack(dtype)
+            module.quantized = plain.pack()
             module.weight = None
         else:
             weight.data.copy_(plain.dequantize())
     embed = model.embed_tokens
-    lm = Int8Plain.quantize(model.lm_weight)
+    lm = _plain("embed_tokens" if model.lm_head is None else "lm_head", model.lm_weight,
+                "int8", gguf, summary)
+    embed_plain = None if model.lm_head is None else _plain("embed_tokens", embed.weight,
+                                                            "int8", gguf, summary)
     if not packed:
         model.lm_weight.data.copy_(lm.dequantize())
-        if model.lm_head is not None:
-            embed.weight.data.copy_(Int8Plain.quantize(embed.weight).dequantize())
+        if embed_plain is not None:
+            embed.weight.data.copy_(embed_plain.dequantize())
         return summary
-    model.lm_quantized = lm.pack(dtype)
-    model.embed_quantized = (model.lm_quantized if model.lm_head is None
-                             else Int8Plain.quantize(embed.weight).pack(dtype))
+    model.lm_quantized = lm.pack()
+    model.embed_quantized = model.lm_quantized if embed_plain is None else embed_plain.pack()
     embed.weight = None
     if model.lm_head is not None:
         model.lm_head.weight = None

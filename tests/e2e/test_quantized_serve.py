@@ -7,6 +7,7 @@ import aiohttp
 import pytest
 
 from common.messages import SamplingParams
+from services.scheduler import quant
 from tests.helpers import Stack
 from tokenline import Engine
 
@@ -20,13 +21,13 @@ PROMPTS = [
     "A haiku about the sea:\n",
     "The chemical symbol for gold is",
 ]
-# at least this many of the 8 prompts give float32's first 8 greedy tokens exactly. The issue
-# asks 7 for int8; we get 5: torch's int8 and int4 CPU kernels take and return bfloat16, and
-# three of these prompts have near-ties that bfloat16 rounding flips (two flip under
-# --dtype bfloat16 too, with no quantization at all). int4 runs the GGUF's own Q4_1 values,
-# the ones float32 runs dequantized, so it differs from float32 by the same rounding only.
-MIN_AGREEING = {"int8": 5, "int4": 5}
-
+# at least this many of the 8 prompts give float32's first 8 greedy tokens exactly (the issue
+# asks 7 for int8). Our kernels take and return float32: int4 runs the GGUF's own Q4_1 and
+# Q8_0 values, the ones float32 runs dequantized, so it differs from float32 by summation order
+# only; int8 requantizes the Q4_1 values onto a group-of-32 int8 grid (within half a step of
+# 1/255 of the group's range). Measured: 8 of 8 for both. Without a compiler torch's kernels
+# run instead, with bfloat16 activations, whose rounding flips near-ties: 5 of 8 for both.
+MIN_AGREEING = {"int8": 7, "int4": 8} if quant.native() else {"int8": 5, "int4": 5}
 
 @pytest.fixture(scope="module")
 def float32_tokens() -> list[list[int]]:
@@ -73,6 +74,8 @@ async def test_server_info_says_the_quantization_and_weight_bytes(stack):
         async with http.get(f"{s.url}/get_server_info") as r:
             info = await r.json()
     assert info["quantization"]["mode"] == mode
-    assert info["linear_backend"] == f"torch_{mode}"
+    kernel = "native" if quant.native() else "torch"  # ours, or torch's without a compiler
+    assert info["linear_backend"] == f"{kernel}_{mode}"
+    assert info["quantization"]["kernel"] == kernel
     # float32 SmolLM2 holds 621 MiB of weights (embedding + oneDNN copies)
     assert 0 < info["weight_bytes"] <= {"int8": 0.35, "int4": 0.20}[mode] * (621 << 20)

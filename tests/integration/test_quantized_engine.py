@@ -8,6 +8,7 @@ import pytest
 
 from bench.quality import measure
 from common.messages import SamplingParams
+from services.scheduler import quant
 from services.scheduler.engine import EngineCore
 from tests.helpers import engine_args, run_engine
 from tests.integration.test_sampling_engine import _crowd, _seeded
@@ -42,17 +43,25 @@ def test_offline_engine_with_prefix_cache_repeats_itself(tiny_model_dir):
     assert again.token_ids == first.token_ids
 
 
-# Bounds on the shipped 2,045-token text, windows of 512, against float32 (measured here:
-# int8 KL 0.012, perplexity +1.4%; int4 KL 0.0024, +0.4%: int4 runs the file's own Q4_1
-# values, int8 requantizes them to a per-row grid)
-MAX_KL = {"int8": 0.03, "int4": 0.01}
-MAX_PERPLEXITY_RATIO = {"int8": 1.03, "int4": 1.02}
+# Bounds on the shipped 2,041-token text, windows of 512, against float32. With our C++ kernels
+# (float32 in and out) measured here: int8 KL 0.00003, perplexity 19.6091 against 19.6086,
+# top-1 0.997; int4 KL 0 to float32 rounding (-1e-9), the same perplexity, top-1 1.0: int4
+# runs the file's own Q4_1 and Q8_0 values, which float32 runs dequantized, so only the
+# summation order differs. Without a compiler torch's bfloat16 kernels run (measured: int8 KL
+# 0.012, perplexity +1.4%; int4 KL 0.0024, +0.4%), with the looser bounds.
+BOUNDS = {  # mode -> (max |KL|, max perplexity ratio, min top-1 agreement)
+    True: {"int8": (1e-4, 1.001, 0.99), "int4": (1e-6, 1.00001, 0.999)},
+    False: {"int8": (0.03, 1.03, 0.9), "int4": (0.01, 1.02, 0.9)},
+}
 
 
 def test_perplexity_and_kl_against_float32_stay_under_bounds():
     base, *quantized = measure(["none", "int8", "int4"])
     assert base.tokens >= 2000 and base.mean_kl == 0
     for q in quantized:
-        assert 0 < q.mean_kl <= MAX_KL[q.quantization], q
-        assert q.perplexity <= MAX_PERPLEXITY_RATIO[q.quantization] * base.perplexity, q
-        assert q.top1_agreement >= 0.9, q
+        max_kl, max_ratio, min_top1 = BOUNDS[quant.native()][q.quantization]
+        # KL is >= 0; a sum of float32 log-probabilities can land a hair below 0 when the
+        # distributions are the same to rounding
+        assert -1e-6 <= q.mean_kl <= max_kl, q
+        assert q.perplexity <= max_ratio * base.perplexity, q
+        assert q.top1_agreement >= min_top1, q

@@ -61,5 +61,7 @@ def test_reported_weight_bytes_are_what_is_resident(loaded):
         # no hidden float copy: what the process grew by is the weights it reports, plus a
         # few MiB (rope tables, code pages, the model's objects)
         assert got["weight_bytes"] <= got["rss_growth"] <= got["weight_bytes"] + (48 << 20), q
-    assert loaded["int4"]["quantization"]["layers_from_file"] == 30 * 4  # every projection
+    # every projection, and the embedding (the tied lm_head): the file's Q8_0
+    assert loaded["int4"]["quantization"]["layers_from_file"] == 30 * 4 + 1
+    assert loaded["int8"]["quantization"]["layers_from_file"] == 1
     assert loaded["int8"]["quantization"]["mode"] == "int8"

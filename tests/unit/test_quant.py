@@ -13,58 +13,105 @@ from services.scheduler import quant
 
 # out x in: aligned (SmolLM2's o_proj, a multiple of 16 x 32) and odd on either side
 SHAPES = [(576, 576), (48, 96), (33, 100), (7, 40), (5, 31)]
+U = 2.0**-24  # float32's unit roundoff
 
 
-def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T in float64 from the bfloat16 activations the kernels take."""
-    return x.to(quant.KERNEL_DTYPE).double() @ w.double().T
+def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """`out` against x @ w.T (w the dequantized weight) within float32 summation error.
 
-
-def _check(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
-    """Within bfloat16's rounding: the output rounds to 8 bits of mantissa (half an ulp is 2^-9
-    relative), the per-row scales too (2^-9), summed over K products of rounded terms."""
-    bound = 2**-8 * (x.to(quant.KERNEL_DTYPE).double().abs() @ w.double().abs().T)
-    assert out.dtype == x.dtype
-    excess = (out.double() - ref).abs() - bound
-    assert excess.max().item() <= 0, f"max abs diff {(out.double() - ref).abs().max():.3g}"
-
-
-@pytest.mark.parametrize("batch", [1, 7, 64])
-@pytest.mark.parametrize("shape", SHAPES)
-def test_int8_kernel_matches_dequantize_reference(batch, shape):
-    torch.manual_seed(batch)
-    w = torch.randn(shape) * 0.05
-    x = torch.randn(batch, shape[1])
-    plain = quant.Int8Plain.quantize(w)
-    kernel = plain.pack(quant.KERNEL_DTYPE)
-    _check(kernel.matmul(x), _reference(x, plain.dequantize()), x, plain.dequantize())
-    # and the quantization itself is within half a step of each row's scale
-    assert ((plain.dequantize() - w).abs() <= plain.scale[:, None] / 2 + 1e-7).all()
+    The kernels form each dequantized weight exactly as the reference does (q * scale, or
+    code * scale + min in one rounding) and sum K products in float32 in another order: each
+    result is then within gamma_K * sum_k |x_k w_k| of the exact sum (gamma_K ~ K u), so
+    |kernel - exact| <= (K + 2) u sum_k |x_k| |w_k| elementwise (one more u for the product,
+    one for the final rounding). The reference here is computed in float64 (the exact sum to
+    ~1e-16): a wrong code, scale, lane or row moves results by a whole weight, ~1e3 x more."""
+    assert out.dtype == x.dtype and out.shape == (x.shape[0], w.shape[0])
+    k = w.shape[1]
+    exact = x.double() @ w.double().T
+    bound = (k + 2) * U * (x.double().abs() @ w.double().abs().T)
+    excess = (out.double() - exact).abs() - bound
+    assert excess.max().item() <= 0, f"max abs diff {(out.double() - exact).abs().max():.3g}"
 
 
 @pytest.mark.parametrize("batch", [1, 7, 64])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_int4_kernel_matches_dequantize_reference(batch, shape):
+@pytest.mark.parametrize("form", [quant.Int8Plain, quant.Int4Plain], ids=["int8", "int4"])
+def test_kernel_matches_dequantize_reference(form, batch, shape):
     torch.manual_seed(batch)
     w = torch.randn(shape) * 0.05
     x = torch.randn(batch, shape[1])
-    plain = quant.Int4Plain.quantize(w)
-    kernel = plain.pack(quant.KERNEL_DTYPE)
+    plain = form.quantize(w)
+    kernel = plain.pack()
+    # ours (the suite requires the C++ kernels to build)
+    assert isinstance(kernel, {quant.Int8Plain: quant.Int8Linear,
+                               quant.Int4Plain: quant.Int4Linear}[form])
     deq = plain.dequantize()
     assert deq.shape == w.shape
-    _check(kernel.matmul(x), _reference(x, deq), x, deq)
+    _check(kernel.matmul(x), x, deq)
+    # and the quantization itself is within half a step of each group's scale, plus the
+    # minimum's rounding to float16 (2^-11 of it)
     step = plain.scale.repeat_interleave(32, dim=1)[:, : shape[1]]
-    assert ((deq - w).abs() <= step / 2 + 1e-7).all()
+    lo = plain.minimum.abs().repeat_interleave(32, dim=1)[:, : shape[1]]
+    assert ((deq - w).abs() <= step / 2 + lo * 2**-11 + 1e-7).all()
+    assert plain.codes.max() <= form.LEVELS
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_int4_kernel_with_float32_scales_matches_reference(batch):
+    """Q4_K's d * sc do not fit float16: those layers keep float32 scales and minimums."""
+    torch.manual_seed(3)
+    n, k = 40, 64
+    plain = quant.Int4Plain(torch.randint(0, 16, (n, k), dtype=torch.uint8),
+                            torch.rand(n, 2) * 1e-2 + 1e-3, -torch.rand(n, 2) * 1e-2, k)
+    kernel = plain.pack()
+    assert kernel.scale_min.dtype == torch.float32
+    x = torch.randn(batch, k)
+    _check(kernel.matmul(x), x, plain.dequantize())
+
+
+def test_kernels_take_bfloat16_activations_and_return_them():
+    torch.manual_seed(4)
+    w = torch.randn(48, 96) * 0.05
+    x = torch.randn(7, 96).to(torch.bfloat16)
+    for plain in (quant.Int8Plain.quantize(w), quant.Int4Plain.quantize(w)):
+        out = plain.pack().matmul(x)
+        assert out.dtype == torch.bfloat16
+        ref = x.float() @ plain.dequantize().T  # summed in float32, rounded once to bfloat16
+        bound = 2**-8 * (x.float().abs() @ plain.dequantize().abs().T) + 1e-6
+        assert ((out.float() - ref).abs() <= bound).all()
 
 
 def test_int8_embedding_rows_are_the_dequantized_rows():
     w = torch.randn(100, 64)
     plain = quant.Int8Plain.quantize(w)
-    ids = torch.tensor([0, 99, 5, 5])
-    rows = plain.pack(quant.KERNEL_DTYPE).rows(ids, torch.float32)
-    # the scale is held in bfloat16 (the kernels' dtype): one rounding of it per row
-    ref = plain.dequantize()[ids]
-    assert (rows - ref).abs().max() <= 2**-8 * ref.abs().max()
+    ids = torch.tensor([0, 99, 5, 5, 17])
+    rows = plain.pack().rows(ids, torch.float32)
+    assert torch.equal(rows, plain.dequantize()[ids])
+
+
+def test_torch_fallback_kernels_match_reference_within_bfloat16():
+    """Without a compiler torch's kernels run, with bfloat16 activations and per-row int8."""
+    torch.manual_seed(5)
+    w = torch.randn(48, 96) * 0.05
+    x = torch.randn(7, 96)
+    int8 = quant.TorchInt8Linear.quantize(w)
+    int4 = quant.TorchInt4Linear.from_plain(quant.Int4Plain.quantize(w))
+    deq4 = quant.Int4Plain.quantize(w).dequantize()
+    xb = x.to(torch.bfloat16).double()
+    for kernel, deq in ((int8, int8.q.float() * int8.scale.float()[:, None]), (int4, deq4)):
+        out = kernel.matmul(x)
+        bound = 2**-7 * (xb.abs() @ deq.double().abs().T)
+        assert ((out.double() - xb @ deq.double().T).abs() <= bound).all()
+
+
+def test_gguf_q8_0_blocks_read_as_gguf_dequantizes_them():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((24, 96)).astype(np.float32)
+    raw = quants.quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    plain = quant.int8_from_gguf(torch.from_numpy(raw), 96)
+    ref = quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0)
+    assert np.array_equal(plain.dequantize().numpy(), ref)
+    assert plain.pack().scale_min.dtype == torch.float16  # Q8_0's d as it is
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
@@ -88,6 +135,10 @@ def test_gguf_q4_k_blocks_read_as_gguf_dequantizes_them():
     plain = quant.int4_from_gguf("Q4_K", torch.from_numpy(raw), 512)
     ref = quants.dequantize(raw, gguf.GGMLQuantizationType.Q4_K)
     assert np.array_equal(plain.dequantize().numpy(), ref)
+    # exact per-32 floats (d * sc in float32); float16 cannot hold all of them
+    kernel = plain.pack()
+    assert kernel.scale_min.dtype == torch.float32
+    _check(kernel.matmul(torch.ones(1, 512)), torch.ones(1, 512), torch.from_numpy(ref))
 
 
 def _write_gguf(path, tensor_type: str) -> None:
@@ -107,7 +158,7 @@ CONFIG = {"num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads
 def test_int4_refuses_a_gguf_whose_layers_are_another_quantized_type(tmp_path):
     _write_gguf(tmp_path / "q8.gguf", "Q8_0")
     weights = quant.GGUFWeights(tmp_path / "q8.gguf", CONFIG)
-    weights.check("int8")  # int8 runs it (requantized per row)
+    weights.check("int8")  # int8 runs it (as it is)
     with pytest.raises(ValueError, match="--quantization int4.*Q8_0"):
         weights.check("int4")
 
@@ -123,3 +174,13 @@ def test_gguf_weights_unpermute_llama_q_rows_as_transformers_does(tmp_path):
     ref = stored.view(4, 8, 2, 64).transpose(1, 2).reshape(64, 64)
     assert torch.equal(plain.dequantize(), ref)
     assert weights.int4("layers.0.mlp.down_proj") is None  # not in the file
+
+
+def test_gguf_weights_read_q8_0_layers_for_int8(tmp_path):
+    _write_gguf(tmp_path / "q8.gguf", "Q8_0")
+    weights = quant.GGUFWeights(tmp_path / "q8.gguf", CONFIG)
+    plain = weights.plain("layers.0.self_attn.q_proj", "int8")
+    stored = quant.int8_from_gguf(torch.from_numpy(
+        np.array(weights.tensors["blk.0.attn_q.weight"].data)), 64).dequantize()
+    assert torch.equal(plain.dequantize(), stored.view(4, 8, 2, 64).transpose(1, 2).reshape(64, 64))
+    assert weights.plain("layers.0.self_attn.q_proj", "int4") is None  # Q8_0 is not int4

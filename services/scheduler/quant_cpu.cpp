@@ -1,0 +1,323 @@
+// Weight-only int8 and int4 matmuls on CPU: float32 activations in and out, float32 sums.
+//
+//   out[m, n] = sum_k x[m, k] * w[n, k]      w dequantized in registers, never in memory
+//
+// Weights are stored in tiles of 16 output channels, interleaved per k, so one 16-byte load
+// gives one k of 16 channels: one vector of dequantized weights then feeds every batch row held
+// in registers (up to 16 rows of accumulators), and the weights are read once per row block.
+//
+//   int8  q   [T, Kp, 16] uint8        code of channel 16t + c at k: q[t, k, c]
+//   int4  q   [T, Kp/2, 16] uint8      byte (t, j, c) holds k = 2j (low nibble), 2j + 1 (high)
+//   both  sm  [T, G, 2, 16] half|float w = sm[t, k / 32, 0, c] * code + sm[t, k / 32, 1, c]
+//         (a scale and a minimum per 32 values: GGUF Q8_0 is scale d, minimum -128 d with
+//         codes q + 128; Q4_0, Q4_1 and Q4_K's sub-blocks map as quant.py says)
+//   x [M, Kp] float32 (Kp = 32 G: the caller pads K), out [M, N] float32, T = ceil(N / 16).
+//
+// The dequantized weight is what the reference computes: code * scale + min is one FMA, and
+// with a half scale the product is exact in float32 (8 + 11 bits), so the reference's single
+// rounding when it adds min gives the same number. Only the order of the K-sum differs from a
+// dequantize-then-matmul reference, so the two agree within float32 summation error.
+//
+// With AVX512F (the build is -march=native) the tiles run in intrinsics; elsewhere (AVX2-only
+// machines) the same loops in plain C++, which the compiler vectorizes over the 16 lanes.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t LANES = 16;   // output channels per tile
+constexpr int64_t GROUP = 32;   // k values per scale
+constexpr int64_t ROW_CHUNK = 64;  // batch rows whose activations stay in cache across tiles
+
+#ifdef __AVX512F__
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Independent accumulators per row: an FMA's result is ready only ~4 cycles later, so with
+// fewer than 4 rows the k loop alternates between U chains to keep the FMA units busy.
+template <int R>
+constexpr int chains() { return R >= 4 ? 1 : 4 / R; }
+
+template <int R>
+inline void store_rows(__m512 (&acc)[R][chains<R>()], float* out, int64_t ldo, int valid) {
+  const __mmask16 mask = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  for (int r = 0; r < R; ++r) {
+    __m512 sum = acc[r][0];
+    for (int u = 1; u < chains<R>(); ++u) sum = _mm512_add_ps(sum, acc[r][u]);
+    _mm512_mask_storeu_ps(out + r * ldo, mask, sum);
+  }
+}
+
+// R rows of x against one int8 tile: out[r, 0..valid) for the tile's 16 channels.
+template <int R, typename S>
+void int8_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
+               float* out, int64_t ldo, int valid) {
+  constexpr int U = chains<R>();
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 s = load16(sm + g * 2 * LANES);
+    const __m512 m = load16(sm + g * 2 * LANES + LANES);
+    const uint8_t* qg = q + g * GROUP * LANES;
+    const float* xg = x + g * GROUP * R;
+#pragma GCC unroll 32
+    for (int k = 0; k < GROUP; ++k) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + k * LANES));
+      const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw)), s, m);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+        acc[r][k % U] = _mm512_fmadd_ps(w, _mm512_set1_ps(xg[k * R + r]), acc[r][k % U]);
+    }
+  }
+  store_rows<R>(acc, out, ldo, valid);
+}
+
+// R rows of x against one int4 tile.
+template <int R, typename S>
+void int4_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
+               float* out, int64_t ldo, int valid) {
+  constexpr int U = chains<R>();
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi32(15);
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 s = load16(sm + g * 2 * LANES);
+    const __m512 m = load16(sm + g * 2 * LANES + LANES);
+    const uint8_t* qg = q + g * (GROUP / 2) * LANES;
+    const float* xg = x + g * GROUP * R;
+#pragma GCC unroll 16
+    for (int j = 0; j < GROUP / 2; ++j) {
+      const __m512i v = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + j * LANES)));
+      const __m512 w0 = _mm512_fmadd_ps(
+          _mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s, m);
+      const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, m);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const float* xr = xg + 2 * j * R + r;
+        acc[r][(2 * j) % U] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xr[0]), acc[r][(2 * j) % U]);
+        acc[r][(2 * j + 1) % U] =
+            _mm512_fmadd_ps(w1, _mm512_set1_ps(xr[R]), acc[r][(2 * j + 1) % U]);
+      }
+    }
+  }
+  store_rows<R>(acc, out, ldo, valid);
+}
+
+#else  // portable: the same tiles in plain loops over the 16 lanes
+
+inline float to_float(float v) { return v; }
+inline float to_float(at::Half v) { return static_cast<float>(v); }
+
+template <int R, typename S>
+void int8_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
+               float* out, int64_t ldo, int valid) {
+  float acc[R][LANES] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    float s[LANES], m[LANES];
+    for (int c = 0; c < LANES; ++c) {
+      s[c] = to_float(sm[g * 2 * LANES + c]);
+      m[c] = to_float(sm[g * 2 * LANES + LANES + c]);
+    }
+    const uint8_t* qg = q + g * GROUP * LANES;
+    for (int k = 0; k < GROUP; ++k) {
+      float w[LANES];
+      for (int c = 0; c < LANES; ++c)
+        w[c] = std::fma(static_cast<float>(qg[k * LANES + c]), s[c], m[c]);
+      for (int r = 0; r < R; ++r) {
+        const float xv = x[(g * GROUP + k) * R + r];
+        for (int c = 0; c < LANES; ++c) acc[r][c] += w[c] * xv;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < valid; ++c) out[r * ldo + c] = acc[r][c];
+}
+
+template <int R, typename S>
+void int4_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
+               float* out, int64_t ldo, int valid) {
+  float acc[R][LANES] = {};
+  for (int64_t g = 0; g < G; ++g) {
+    float s[LANES], m[LANES];
+    for (int c = 0; c < LANES; ++c) {
+      s[c] = to_float(sm[g * 2 * LANES + c]);
+      m[c] = to_float(sm[g * 2 * LANES + LANES + c]);
+    }
+    const uint8_t* qg = q + g * (GROUP / 2) * LANES;
+    for (int j = 0; j < GROUP / 2; ++j) {
+      float w0[LANES], w1[LANES];
+      for (int c = 0; c < LANES; ++c) {
+        const uint8_t b = qg[j * LANES + c];
+        w0[c] = std::fma(static_cast<float>(b & 15), s[c], m[c]);
+        w1[c] = std::fma(static_cast<float>(b >> 4), s[c], m[c]);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float x0 = x[(g * GROUP + 2 * j) * R + r];
+        const float x1 = x[(g * GROUP + 2 * j + 1) * R + r];
+        for (int c = 0; c < LANES; ++c) acc[r][c] += w0[c] * x0 + w1[c] * x1;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < valid; ++c) out[r * ldo + c] = acc[r][c];
+}
+
+#endif
+
+struct Int8 {
+  template <int R, typename S>
+  static void tile(const float* x, const uint8_t* q, const S* sm, int64_t G, float* out,
+                   int64_t ldo, int valid) {
+    int8_tile<R, S>(x, q, sm, G, out, ldo, valid);
+  }
+};
+
+struct Int4 {
+  template <int R, typename S>
+  static void tile(const float* x, const uint8_t* q, const S* sm, int64_t G, float* out,
+                   int64_t ldo, int valid) {
+    int4_tile<R, S>(x, q, sm, G, out, ldo, valid);
+  }
+};
+
+// Batch rows are taken in blocks of 16, 12, 8, then whatever is left (1-7).
+inline int64_t block_rows(int64_t left) {
+  return left >= 16 ? 16 : left >= 12 ? 12 : left >= 8 ? 8 : left;
+}
+
+template <typename K, typename S, int R>
+inline void tile_rows(const float* x, const uint8_t* q, const S* s, int64_t G, float* out,
+                      int64_t ldo, int valid) {
+  K::template tile<R, S>(x, q, s, G, out, ldo, valid);
+}
+
+template <typename K, typename S>
+void tile_block(int64_t R, const float* x, const uint8_t* q, const S* s, int64_t G, float* out,
+                int64_t ldo, int valid) {
+  switch (R) {
+    case 16: return tile_rows<K, S, 16>(x, q, s, G, out, ldo, valid);
+    case 12: return tile_rows<K, S, 12>(x, q, s, G, out, ldo, valid);
+    case 8: return tile_rows<K, S, 8>(x, q, s, G, out, ldo, valid);
+    case 7: return tile_rows<K, S, 7>(x, q, s, G, out, ldo, valid);
+    case 6: return tile_rows<K, S, 6>(x, q, s, G, out, ldo, valid);
+    case 5: return tile_rows<K, S, 5>(x, q, s, G, out, ldo, valid);
+    case 4: return tile_rows<K, S, 4>(x, q, s, G, out, ldo, valid);
+    case 3: return tile_rows<K, S, 3>(x, q, s, G, out, ldo, valid);
+    case 2: return tile_rows<K, S, 2>(x, q, s, G, out, ldo, valid);
+    default: return tile_rows<K, S, 1>(x, q, s, G, out, ldo, valid);
+  }
+}
+
+// Tiles split across threads; each thread walks its tiles once per chunk of 64 batch rows, so
+// a chunk's activations are read from cache for every tile. A chunk is first copied into
+// blocks of R rows interleaved per k ([Kp][R]): a tile then reads the R values of one k from
+// one place (one pointer, constant offsets) instead of from R rows.
+template <typename K, typename S>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+                  int64_t N, int64_t q_per_tile) {
+  const int64_t M = x.size(0), Kp = x.size(1), G = Kp / GROUP, T = q.size(0);
+  const int64_t s_per_tile = G * 2 * LANES;
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const S* sp = reinterpret_cast<const S*>(scales.data_ptr());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> packed(M > 1 ? std::min(M, ROW_CHUNK) * Kp : 0);
+    for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+      const int64_t rows = std::min(ROW_CHUNK, M - m0);
+      const float* xs = xp + m0 * Kp;
+      if (rows > 1) {
+        float* dst = packed.data();
+        for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0)) {
+          const int64_t R = block_rows(rows - r0);
+          for (int64_t k = 0; k < Kp; ++k)
+            for (int64_t r = 0; r < R; ++r) dst[k * R + r] = xs[(r0 + r) * Kp + k];
+          dst += R * Kp;
+        }
+        xs = packed.data();
+      }
+      for (int64_t t = begin; t < end; ++t) {
+        const int valid = static_cast<int>(std::min(LANES, N - t * LANES));
+        const float* xb = xs;
+        for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0)) {
+          const int64_t R = block_rows(rows - r0);
+          tile_block<K, S>(R, xb, qp + t * q_per_tile, sp + t * s_per_tile, G,
+                           op + (m0 + r0) * N + t * LANES, N, valid);
+          xb += R * Kp;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+void check(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+           int64_t N, int64_t q_rows_per_k) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, Kp]");
+  TORCH_CHECK(x.size(1) % GROUP == 0, "Kp must be a multiple of 32");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.size(2) == LANES &&
+                  q.size(1) * q_rows_per_k == x.size(1),
+              "weight tiles do not match x");
+  TORCH_CHECK(q.size(0) * LANES >= N && (q.size(0) - 1) * LANES < N, "N does not match tiles");
+  TORCH_CHECK(scales.is_contiguous() && scales.dim() == 4 && scales.size(0) == q.size(0) &&
+                  scales.size(1) == x.size(1) / GROUP && scales.size(2) == 2 &&
+                  scales.size(3) == LANES,
+              "scale_min must be [T, Kp / 32, 2, 16]");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf || scales.scalar_type() == torch::kFloat,
+              "scales must be float16 or float32");
+}
+
+template <typename K>
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q,
+                     const torch::Tensor& scale_min, int64_t N, int64_t k_per_byte) {
+  check(x, q, scale_min, N, k_per_byte);
+  TORCH_CHECK(q.scalar_type() == torch::kByte, "weight codes must be uint8");
+  const int64_t q_per_tile = x.size(1) / k_per_byte * LANES;
+  if (scale_min.scalar_type() == torch::kHalf)
+    return run<K, at::Half>(x, q, scale_min, N, q_per_tile);
+  return run<K, float>(x, q, scale_min, N, q_per_tile);
+}
+
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
+                          const torch::Tensor& scale_min, int64_t N) {
+  return linear<Int8>(x, q, scale_min, N, 1);
+}
+
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
+                          const torch::Tensor& scale_min, int64_t N) {
+  return linear<Int4>(x, q, scale_min, N, 2);
+}
+
+bool vectorized() {
+#ifdef __AVX512F__
+  return true;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int8_linear", &int8_linear, "x @ w.T for int8 group-32 weight tiles (float32, CPU)");
+  m.def("int4_linear", &int4_linear, "x @ w.T for int4 group-32 scale+min weight tiles");
+  m.def("vectorized", &vectorized, "whether the AVX512 tiles were compiled in");
+}
