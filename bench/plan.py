@@ -78,20 +78,20 @@ class PlanResult:
         return self.arithmetic_intensity < self.ridge_point
 
 
-# Bytes per weight under --quantization, as tokenline's CPU kernels hold them: int8 codes with
-# a bfloat16 scale per row (2 bytes per row, counted as 2/hidden per weight), int4 codes with a
-# bfloat16 scale and zero per 32 weights. The embedding is int8 under both. On CUDA tokenline
+# Bytes per weight under --quantization, as tokenline's CPU kernels hold them: codes of 8 or 4
+# bits with a float16 scale and minimum per 32 weights (services/scheduler/quant.py; Q4_K files
+# keep float32 ones, 0.75 a weight). The embedding is int8 under both. On CUDA tokenline
 # dequantizes on load: plan that with none.
-QUANT_BYTES = {"int8": 1.0, "int4": 0.5 + 4 / 32}
+QUANT_BYTES = {"int8": 1.0 + 4 / 32, "int4": 0.5 + 4 / 32}
 
 
-def weight_bytes_per_param(dtype: str, quantization: str, hidden: int) -> float:
+def weight_bytes_per_param(dtype: str, quantization: str) -> float:
     if quantization == "none":
         return dtype_bytes(dtype)
     if quantization not in QUANT_BYTES:
         raise ValueError(f"unknown quantization {quantization!r}; known: none, "
                          + ", ".join(QUANT_BYTES))
-    return QUANT_BYTES[quantization] + (2 / hidden if quantization == "int8" and hidden else 0)
+    return QUANT_BYTES[quantization]
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
@@ -111,8 +111,7 @@ def plan(
     """Plan the KV pool of one GPU for `model`; weights and KV both use `dtype`, the weights
     `quantization`'s bytes where one is given."""
     nbytes = dtype_bytes(dtype or model.dtype)
-    weights = model.params * weight_bytes_per_param(dtype or model.dtype, quantization,
-                                                    model.hidden)
+    weights = model.params * weight_bytes_per_param(dtype or model.dtype, quantization)
     per_token = kv_bytes_per_token(model.layers, model.kv_heads, model.head_dim, nbytes)
     pool = max(0.0, gpu.memory_gib * GiB * gpu_memory_utilization - weights - overhead_gib * GiB)
     tokens = int(pool // per_token)

@@ -50,7 +50,7 @@ def test_quantized_weights_take_their_bytes_and_free_pool_room() -> None:
     none = plan(model, GPUS["h100-80gb"])
     int8 = plan(model, GPUS["h100-80gb"], quantization="int8")
     int4 = plan(model, GPUS["h100-80gb"], quantization="int4")
-    assert int8.weight_bytes == pytest.approx(model.params * (1 + 2 / model.hidden))
+    assert int8.weight_bytes == pytest.approx(model.params * 1.125)
     assert int4.weight_bytes == pytest.approx(model.params * 0.625)
     assert int4.kv_pool_bytes - none.kv_pool_bytes == pytest.approx(
         none.weight_bytes - int4.weight_bytes)
