@@ -58,7 +58,11 @@ class ServerArgs:
     max_queued_requests: int = _flag(1024, "most requests waiting; beyond it new ones get 503")
     chunked_prefill_size: int = _flag(512, "most prompt tokens of one request in one step")
     max_prefill_tokens: int = _flag(2048, "most prompt tokens in one step, all requests")
-    schedule_policy: str = _flag("fcfs", "waiting-queue order", choices=["fcfs", "lpm", "priority"])
+    schedule_policy: str = _flag(
+        "sjf", "waiting-queue order: sjf (shortest prompt first, up to --sjf-max-wait), fcfs, "
+        "lpm (longest cached prefix first) or priority", choices=["sjf", "fcfs", "lpm", "priority"])
+    sjf_max_wait: float = _flag(5.0, "sjf: seconds a request may wait before shorter prompts no "
+                                "longer go ahead of it (0: arrival order)")
     retraction_policy: str = _flag("length", "who is retracted first when KV runs out",
                                    choices=["length", "priority"])
     schedule_conservativeness: float = _flag(

@@ -1,0 +1,140 @@
+"""A burst of requests arriving at once (what `tokenline bench peers` sends): while it is
+admitted, every decoding request still gets its token every step, prefill fills the step's
+budget, shorter prompts get their first token first (sjf), and no request is overtaken forever.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+import pytest
+
+from common.messages import Finish, SamplingParams, TokenizedReq
+from services.scheduler.engine import EngineCore
+from services.scheduler.kv_pool import BlockPool
+from services.scheduler.request import Request
+from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from tests.helpers import engine_args
+
+BUDGET, CHUNK = 256, 64
+# far above any step time here, so that only sjf's order is tested, not its time limit
+NEVER = 3600.0
+
+
+def _burst(n=24, seed=0) -> list[TokenizedReq]:
+    rng = random.Random(seed)
+    return [TokenizedReq(rid=f"r{i}", gateway_id="g",
+                         input_ids=[rng.randrange(1000, 40000) for _ in range(rng.randint(8, 200))],
+                         params=SamplingParams(max_new_tokens=rng.randint(4, 12),
+                                               temperature=0.0, ignore_eos=True))
+            for i in range(n)]
+
+
+def _run_burst(tiny_model_dir, policy: str):
+    """Submit the whole burst before the first step; check each step's batch against what the
+    policy promises; return rid -> tokens and rid -> the step of its first token."""
+    engine = EngineCore(engine_args(tiny_model_dir, schedule_policy=policy, sjf_max_wait=NEVER,
+                                    max_prefill_tokens=BUDGET, chunked_prefill_size=CHUNK,
+                                    max_total_tokens=16384, disable_prefix_cache=True))
+    reqs = _burst()
+    for r in reqs:
+        engine.submit(r)
+    prompt_left = {r.rid: len(r.input_ids) for r in reqs}
+    tokens: dict[str, list[int]] = {r.rid: [] for r in reqs}
+    first_step: dict[str, int] = {}
+    decoding: set[str] = set()
+    step = 0
+    while engine.has_work():
+        step += 1
+        assert step < 1000, "no progress"
+        # what a budget-filling step can take: one chunk of each prompt not yet computed
+        can_take = sum(min(CHUNK, n) for n in prompt_left.values() if n)
+        outs = engine.step()
+        stats = engine.last_step
+        scheduled = dict(zip(stats.scheduled_rids, stats.num_new, strict=True))
+        for rid in decoding:
+            assert scheduled.get(rid) == 1, f"step {step}: decoding {rid} got no token"
+        prefill = 0
+        for rid, n in scheduled.items():
+            if prompt_left[rid]:
+                assert n <= min(CHUNK, prompt_left[rid])
+                prompt_left[rid] -= n
+                prefill += n
+        assert prefill == min(BUDGET, can_take), f"step {step}: the prefill budget not filled"
+        for out in outs:
+            tokens[out.rid] += out.token_ids
+            if out.token_ids:
+                first_step.setdefault(out.rid, step)
+            if out.finish is None:
+                decoding.add(out.rid)
+            else:
+                decoding.discard(out.rid)
+    assert all(len(tokens[r.rid]) == r.params.max_new_tokens for r in reqs)
+    return reqs, tokens, first_step
+
+
+@pytest.fixture(scope="module")
+def fcfs(tiny_model_dir):
+    return _run_burst(tiny_model_dir, "fcfs")
+
+
+def test_burst_decodes_every_step_and_fills_the_prefill_budget(fcfs):
+    reqs, _, first_step = fcfs  # the checks are in _run_burst, at every step
+    # the burst's prompts need several steps of budget: the checks above saw it being admitted
+    assert sum(len(r.input_ids) for r in reqs) > 4 * BUDGET
+    assert max(first_step.values()) > 4
+
+
+def test_sjf_gives_shorter_prompts_their_first_token_first(tiny_model_dir, fcfs):
+    reqs, tokens, first_step = _run_burst(tiny_model_dir, "sjf")
+    by_len = sorted(reqs, key=lambda r: len(r.input_ids))
+    steps = [first_step[r.rid] for r in by_len]
+    assert steps == sorted(steps), "a longer prompt got its first token before a shorter one"
+    fcfs_reqs, fcfs_tokens, fcfs_first = fcfs
+    assert statistics.median(first_step.values()) < statistics.median(fcfs_first.values())
+    assert tokens == fcfs_tokens  # the order changes when tokens come, never which
+
+
+def _prefill_request(rid: str, n: int) -> Request:
+    return Request(rid=rid, prompt_ids=list(range(100, 100 + n)),
+                   params=SamplingParams(max_new_tokens=4))
+
+
+def test_sjf_overtakes_a_long_prompt_only_until_it_has_waited_its_limit():
+    # Two fresh 8-token prompts every step fill the 16-token budget: by length alone, the
+    # 48-token prompt would wait for ever.
+    sched = Scheduler(SchedulerConfig(schedule_policy="sjf", sjf_max_wait_s=5.0,
+                                      max_prefill_tokens=16, chunked_prefill_size=16),
+                      BlockPool(1024, 16, False))
+    long = _prefill_request("long", 48)
+    sched.add(long)
+    for step in range(6):
+        for k in range(2):
+            sched.add(_prefill_request(f"short-{step}-{k}", 8))
+        if step == 3:
+            long.arrival_time -= 5.0  # as if it had waited its 5 s
+        batch = sched.schedule()
+        sched.advance(batch)
+        admitted = {r.rid for r in batch.reqs}
+        if step < 3:
+            assert "long" not in admitted and len(admitted) == 2
+        else:
+            assert "long" in admitted  # once past its limit, it is served in arrival order
+        for r in list(batch.reqs):
+            if r is not long and r.num_computed == r.num_tokens:
+                sched.finish(r, Finish(kind="length"))
+    sched.check_integrity()
+
+
+def test_sjf_keeps_a_retracted_request_at_the_front():
+    sched = Scheduler(SchedulerConfig(schedule_policy="sjf", sjf_max_wait_s=NEVER,
+                                      max_prefill_tokens=64, chunked_prefill_size=64),
+                      BlockPool(1024, 16, False))
+    resumed = _prefill_request("resumed", 40)
+    resumed.num_retractions = 1  # it was running: it goes back first, as under fcfs
+    sched.add(_prefill_request("short", 30))
+    sched.add(resumed)
+    batch = sched.schedule()
+    assert [r.rid for r in batch.reqs] == ["resumed", "short"]
+    assert batch.num_new == [40, 24]
