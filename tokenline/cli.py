@@ -16,6 +16,7 @@ BENCH = {
     "roofline": "bench.roofline",
     "peers": "bench.peers",
     "quality": "bench.quality",
+    "profile": "bench.profile",
 }
 
 USAGE = """usage: tokenline COMMAND [ARGS]
@@ -27,6 +28,7 @@ commands:
   bench roofline   this machine's FLOP/s and bandwidth, and the decode-step bound
   bench peers      our whole stack against llama.cpp's llama-server, in one run
   bench quality    perplexity and KL against float32 per --quantization, on a fixed text
+  bench profile    one decode and prefill step split into matmuls, attention, norms, Python
   simulate         step simulator of static, dynamic and continuous batching
   plan             memory planner: weights, KV pool, concurrency
 """
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
         if not rest or rest[0] not in BENCH:
-            print("usage: tokenline bench {serve,offline,roofline,peers,quality} ...",
+            print("usage: tokenline bench {serve,offline,roofline,peers,quality,profile} ...",
                   file=sys.stderr)
             return 2
         module, rest = BENCH[rest[0]], rest[1:]
