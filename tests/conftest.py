@@ -47,6 +47,15 @@ def _count_fast_paths() -> None:
     layers.onednn_linear = count(
         lambda x, packed, *_: f"oneDNN {str(packed.dtype).removeprefix('torch.')} linears",
         layers.onednn_linear)
+
+    def fused(what: str):
+        return lambda x, *_: (f"C++ fused {what}" if layers.fused_ops(x) is not None
+                              else f"torch {what} (the fallback)")
+
+    layers.add_rms_norm_ = count(lambda residual, x, *_: fused("add+RMSNorm")(x),
+                                 layers.add_rms_norm_)
+    layers.rotary_ = count(fused("rotary"), layers.rotary_)
+    layers.act_and_mul = count(fused("act-and-mul"), layers.act_and_mul)
     quant.Int8Linear.matmul = count(lambda *_: "C++ int8 linears", quant.Int8Linear.matmul)
     quant.Int4Linear.matmul = count(lambda *_: "C++ int4 linears", quant.Int4Linear.matmul)
     quant.TorchInt8Linear.matmul = count(lambda *_: "torch int8 linears (the fallback)",

@@ -17,6 +17,7 @@ from services.scheduler.models.layers import (
     Attention,
     CausalLM,
     RMSNorm,
+    add_rms_norm_,
     rope_parameters,
     windows_from_layer_types,
 )
@@ -52,12 +53,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.mlp = MLP(config, arch)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps, 1.0)
 
-    def forward(self, x, rope, meta, k_cache, v_cache):
-        """Updates the residual stream `x` in place and returns it."""
-        attn = self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
-        x += self.post_attention_layernorm(attn)
-        x += self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x
+    def forward(self, x, residual, rope, meta, k_cache, v_cache):
+        """(x, residual) in and out, as layers.DecoderLayer; x here is the normed MLP output."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = add_rms_norm_(residual, x, self.input_layernorm)
+        attn = self.self_attn(h, rope, meta, k_cache, v_cache)
+        h = add_rms_norm_(residual, self.post_attention_layernorm(attn, inplace=True),
+                          self.pre_feedforward_layernorm)
+        return self.post_feedforward_layernorm(self.mlp(h), inplace=True), residual
 
 
 class Gemma3ForCausalLM(CausalLM):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.scheduler.attention.base import AttentionBackend, AttentionMetadata
+from services.scheduler.native import Extension
 from services.scheduler.quant import Int8Linear, QuantizedWeight
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
@@ -28,6 +29,64 @@ ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+
+# -- the fused small ops ------------------------------------------------------------------------
+#
+# On CPU, in float32 and bfloat16, the decoder's small ops run as one C++ call each
+# (ops_cpu.cpp: residual add + RMSNorm, rotary on q and k, activation-and-multiply): a batch-1
+# decode step is mostly such calls, each a few microseconds of dispatch around little work.
+# Elsewhere (CUDA, TOKENLINE_CPU_KERNELS=0, no compiler) the same functions run the torch ops
+# they replace, with the same results as before they existed.
+
+OPS = Extension(Path(__file__).with_name("ops_cpu.cpp"), "the CPU fused ops")
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+_UNRESOLVED = object()
+_ops_module: object = _UNRESOLVED  # the built module (or None), once asked for
+
+
+def fused_ops(x: torch.Tensor):
+    """The C++ ops for tensors like `x`, or None where plain torch runs."""
+    global _ops_module
+    if not x.is_cpu or x.dtype not in FUSED_DTYPES:
+        return None
+    if _ops_module is _UNRESOLVED:
+        _ops_module = OPS.module()  # raises under TOKENLINE_CPU_KERNELS=require if it failed
+    return _ops_module
+
+
+def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+    """residual += x, then norm(residual): the residual stream updated in place and the next
+    sublayer's input returned (fused: written over x, which the caller no longer needs)."""
+    ops = fused_ops(x)
+    if ops is not None and norm.offset == 0 and residual.dtype == x.dtype and (
+        norm.weight.dtype in (x.dtype, torch.float32)
+    ):
+        return ops.add_rms_norm_(residual, x, norm.weight, norm.eps)
+    residual += x
+    return norm(residual)
+
+
+def rotary_(x: torch.Tensor, heads: int, rope: StepRope) -> None:
+    """The first `heads` heads of x [T, H, D] (q's and k's, side by side in qkv), rotated in
+    place at the step's positions."""
+    ops = fused_ops(x)
+    if ops is not None:
+        ops.rotary_(x, heads, rope.positions, rope.rotary.cos, rope.rotary.sin)
+    else:
+        Rotary.rotate_(x[:, :heads], rope.tables())
+
+
+def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up of a fused gate_up [T, 2I]."""
+    ops = fused_ops(gate_up)
+    if ops is not None:
+        if activation == "silu":
+            return ops.silu_and_mul(gate_up)
+        if activation == "gelu_pytorch_tanh":
+            return ops.gelu_tanh_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = F.silu(gate, inplace=True) if activation == "silu" else ACTIVATIONS[activation](gate)
+    return gate.mul_(up)
 
 
 def onednn_pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -90,7 +149,18 @@ class RMSNorm(nn.Module):
             self.weight.add_(self.offset)
         self.offset = 0.0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+        """rms_norm(x) * weight; with `inplace`, written over x (q and k heads inside qkv)."""
+        ops = fused_ops(x)
+        if ops is not None and self.offset == 0 and (
+            self.weight.dtype in (x.dtype, torch.float32)
+        ) and x.stride(-1) == 1 and x.dim() in (2, 3):
+            return ops.rms_norm_(x, self.weight, self.eps, x if inplace else torch.empty_like(x))
+        if inplace:
+            return x.copy_(self._torch(x))
+        return self._torch(x)
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight if self.offset == 0 else self.weight.float() + self.offset
         if x.dtype == torch.float32:  # one fused pass, bit-identical to the float32 steps below
             return F.rms_norm(x, self.weight.shape, weight, self.eps)
@@ -142,6 +212,9 @@ class Rotary:
         self.cos = freqs.cos()  # [max_len, D/2]
         self.sin = freqs.sin()
 
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRope:
+        return StepRope(self, positions, dtype)
+
     def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
         """cos and sin of the step's positions, [T, 1, D/2]: looked up once for every layer."""
         cos = self.cos.index_select(0, positions).unsqueeze(1).to(dtype)
@@ -156,6 +229,22 @@ class Rotary:
         r1 = x1 * cos - x2 * sin
         x2.mul_(cos).add_(x1 * sin)  # not addcmul: a fused multiply-add rounds differently
         x1.copy_(r1)
+
+
+@dataclass
+class StepRope:
+    """One rope setting at one step's positions. The C++ op reads the tables by position; the
+    torch path looks cos and sin up once per step, when the first layer asks."""
+
+    rotary: Rotary
+    positions: torch.Tensor  # [T] int64
+    dtype: torch.dtype
+    _tables: RopeTables | None = None
+
+    def tables(self) -> RopeTables:
+        if self._tables is None:
+            self._tables = self.rotary.tables(self.positions, self.dtype)
+        return self._tables
 
 
 @dataclass(frozen=True)
@@ -203,21 +292,15 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.backend = backend
 
-    def forward(self, x, rope: RopeTables, meta: AttentionMetadata, k_cache, v_cache):
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+    def forward(self, x, rope: StepRope, meta: AttentionMetadata, k_cache, v_cache):
+        # [T, Hq + 2 Hkv, D]: q, k and v heads are views of the projection's rows, and q and k
+        # sit side by side, so one call rotates both (after their norms, in place, where any)
+        heads = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-            Rotary.rotate_(q, rope)
-            Rotary.rotate_(k, rope)
-        else:
-            # q and k sit side by side in each row of qkv: rotate both in one pass, in place
-            heads = self.num_heads + self.num_kv_heads
-            Rotary.rotate_(qkv[:, : self.q_size + self.kv_size].view(-1, heads, self.head_dim),
-                           rope)
+            self.q_norm(q, inplace=True)
+            self.k_norm(k, inplace=True)
+        rotary_(heads, self.num_heads + self.num_kv_heads, rope)
         o = self.backend.forward(q, k, v, k_cache, v_cache, meta, self.scale, window=self.window)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -230,17 +313,23 @@ class MLP(nn.Module):
         hidden, inter = config["hidden_size"], config["intermediate_size"]
         self.gate_up_proj = Linear(hidden, 2 * inter, bias=arch.mlp_bias)
         self.down_proj = Linear(inter, hidden, bias=arch.mlp_bias)
-        self.silu = arch.activation == "silu"
-        self.act = ACTIVATIONS[arch.activation]
+        self.activation = arch.activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        gate = F.silu(gate, inplace=True) if self.silu else self.act(gate)
-        return self.down_proj(gate.mul_(up))
+        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.activation))
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention and MLP, each added to the residual stream."""
+    """Pre-norm attention and MLP, each added to the residual stream.
+
+    A layer takes and returns (x, residual): x is the last sublayer's output, not yet added
+    to the residual stream; the next norm adds it (one fused pass with the norm). The first
+    layer gets residual None: x is the embedding, the stream itself.
+
+        residual += x; h = norm(residual)    add_rms_norm_, in place
+        residual += attn(h); h = norm(residual)
+        return mlp(h), residual
+    """
 
     def __init__(self, config: dict, arch: Arch, window: int | None, rotary: Rotary,
                  backend: AttentionBackend) -> None:
@@ -251,11 +340,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps, arch.norm_offset)
         self.mlp = MLP(config, arch)
 
-    def forward(self, x, rope: RopeTables, meta, k_cache, v_cache):
-        """Updates the residual stream `x` in place and returns it."""
-        x += self.self_attn(self.input_layernorm(x), rope, meta, k_cache, v_cache)
-        x += self.mlp(self.post_attention_layernorm(x))
-        return x
+    def forward(self, x, residual: torch.Tensor | None, rope: StepRope, meta, k_cache, v_cache):
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = add_rms_norm_(residual, x, self.input_layernorm)
+        h = add_rms_norm_(residual, self.self_attn(h, rope, meta, k_cache, v_cache),
+                          self.post_attention_layernorm)
+        return self.mlp(h), residual
 
 
 class CausalLM(nn.Module):
@@ -302,6 +394,8 @@ class CausalLM(nn.Module):
         self.lm_quantized: QuantizedWeight | None = None
         self.embed_quantized: Int8Linear | None = None  # the lm_head's own when tied
         self.windows = windows
+        if self.embed_tokens.weight.is_cpu:
+            fused_ops(self.embed_tokens.weight)  # built with the model, not in the first step
 
     @property
     def lm_weight(self) -> torch.Tensor:
@@ -319,11 +413,14 @@ class CausalLM(nn.Module):
         x = self.embed(input_ids)
         if self.arch_.embed_scale != 1.0:
             x = x * torch.tensor(self.arch_.embed_scale, dtype=x.dtype)
-        ropes = [r.tables(positions, x.dtype) for r in self.rotaries]
+        ropes = [r.at(positions, x.dtype) for r in self.rotaries]
+        residual = None
         for layer, i, (k_cache, v_cache) in zip(self.layers, self.rope_index, kv_caches,
                                                 strict=True):
-            x = layer(x, ropes[i], meta, k_cache, v_cache)
-        x = self.norm(x[logits_indices])
+            x, residual = layer(x, residual, ropes[i], meta, k_cache, v_cache)
+        if residual is None:
+            return self.logits(self.norm(x[logits_indices])).float()
+        x = add_rms_norm_(residual[logits_indices], x[logits_indices], self.norm)
         return self.logits(x).float()
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

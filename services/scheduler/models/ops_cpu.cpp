@@ -1,0 +1,320 @@
+// The decoder's small ops fused into one pass each (CPU, float32 and bfloat16).
+//
+// At batch 1 a decode step is hundreds of small torch calls; each of these replaces several
+// of them (and the temporaries between them) with one call that reads its input once:
+//
+//   add_rms_norm_(residual, x, w)   residual += x, then x = rms_norm(residual) * w (in place)
+//   rms_norm_(x, w, out)            out = rms_norm(x) * w; out may be x; x [A, B, n] strided
+//   rotary_(x, heads, positions, cos, sin)   the first `heads` heads of x [T, H, D] (q's and
+//                                   k's, side by side in qkv) rotated in place (the halves of
+//                                   each head, as transformers' rotate_half); cos/sin [L, D/2]
+//                                   read at each token's position
+//   silu_and_mul(gu) / gelu_tanh_and_mul(gu)   [T, 2I] -> [T, I]: act(gate) * up
+//
+// Every sum and product runs in float32 whatever the storage dtype; a bfloat16 result is
+// rounded once (to nearest even) when it is stored. Rows are independent, so rows are split
+// across threads with at::parallel_for once there are enough of them to pay for it.
+//
+// AVX-512 (F + BW + VL) where the compiler targets it (-march=native); the scalar loops are
+// the portable path (AVX2 machines vectorize them as they can) and handle every tail.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TL_AVX512 1
+#else
+#define TL_AVX512 0
+#endif
+
+namespace {
+
+using bf16 = uint16_t;  // bfloat16 storage: the high half of a float32
+
+inline float to_f(float x) { return x; }
+inline float to_f(bf16 x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline void store(float* p, float x) { *p = x; }
+inline void store(bf16* p, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a (quiet) NaN
+    *p = static_cast<bf16>((bits >> 16) | 0x40);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
+  *p = static_cast<bf16>(bits >> 16);
+}
+
+#if TL_AVX512
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) {
+#if defined(__AVX512BF16__)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+#else
+  __m512i bits = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  bits = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  bits = _mm512_mask_or_epi32(bits, nan, _mm512_castps_si512(v), _mm512_set1_epi32(0x400000));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(bits, 16)));
+#endif
+}
+#endif
+
+// enough rows per thread that a thread's work outweighs waking it (~a few microseconds)
+inline int64_t grain_rows(int64_t row_elems) {
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems));
+}
+
+template <typename T>
+float sum_squares(const T* x, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.f;
+#if TL_AVX512
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += to_f(x[i]) * to_f(x[i]);
+  return sum;
+}
+
+// out[i] = x[i] * inv * w[i]: the product in float32, rounded once on store
+template <typename T, typename W>
+void scale_row(const T* x, const W* w, T* out, int64_t n, float inv) {
+  int64_t i = 0;
+#if TL_AVX512
+  const __m512 s = _mm512_set1_ps(inv);
+  for (; i + 16 <= n; i += 16)
+    store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i), s), load16(w + i)));
+#endif
+  for (; i < n; ++i) store(out + i, to_f(x[i]) * inv * to_f(w[i]));
+}
+
+template <typename T, typename W>
+void add_rms_norm_impl(T* residual, T* x, const W* w, int64_t rows, int64_t n, int64_t rs,
+                       int64_t xs, float eps) {
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* res = residual + r * rs;
+      T* xr = x + r * xs;
+      // residual += x, stored (and rounded) first: the norm reads the stored residual, as the
+      // unfused ops do
+      int64_t i = 0;
+#if TL_AVX512
+      for (; i + 16 <= n; i += 16) store16(res + i, _mm512_add_ps(load16(res + i), load16(xr + i)));
+#endif
+      for (; i < n; ++i) store(res + i, to_f(res[i]) + to_f(xr[i]));
+      const float inv = 1.f / std::sqrt(sum_squares(res, n) / static_cast<float>(n) + eps);
+      scale_row(res, w, xr, n, inv);
+    }
+  });
+}
+
+template <typename T, typename W>
+void rms_norm_impl(const T* x, const W* w, T* out, int64_t A, int64_t B, int64_t n,
+                   int64_t xa, int64_t xb, int64_t oa, int64_t ob, float eps) {
+  at::parallel_for(0, A * B, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t a = r / B, b = r % B;
+      const T* xr = x + a * xa + b * xb;
+      const float inv = 1.f / std::sqrt(sum_squares(xr, n) / static_cast<float>(n) + eps);
+      scale_row(xr, w, out + a * oa + b * ob, n, inv);
+    }
+  });
+}
+
+// one head in place: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), halves of `half` values each
+template <typename T>
+void rotate_head(T* x, const float* c, const float* s, int64_t half) {
+  T* x2p = x + half;
+  int64_t i = 0;
+#if TL_AVX512
+  for (; i + 16 <= half; i += 16) {
+    __m512 x1 = load16(x + i), x2 = load16(x2p + i);
+    __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
+    store16(x + i, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)));
+    store16(x2p + i, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)));
+  }
+#endif
+  for (; i < half; ++i) {
+    const float x1 = to_f(x[i]), x2 = to_f(x2p[i]);
+    store(x + i, x1 * c[i] - x2 * s[i]);
+    store(x2p + i, x2 * c[i] + x1 * s[i]);
+  }
+}
+
+template <typename T>
+void rotary_impl(T* x, const int64_t* pos, const float* cos, const float* sin, int64_t tokens,
+                 int64_t heads, int64_t D, int64_t st, int64_t sh) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, tokens, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * half;
+      const float* s = sin + pos[t] * half;
+      for (int64_t h = 0; h < heads; ++h) rotate_head(x + t * st + h * sh, c, s, half);
+    }
+  });
+}
+
+// exp's argument is clamped: -ffast-math assumes no infinities, so exp must not overflow
+// (past the clamps both results are already saturated in float32)
+struct Silu {
+  static float apply(float g) { return g / (1.f + std::exp(std::min(-g, 80.f))); }
+};
+struct GeluTanh {
+  static float apply(float g) {
+    // tanh(u) = 1 - 2 / (exp(2u) + 1): one exp, which vectorizes (libmvec)
+    const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    const float e = std::exp(std::min(std::max(2.f * u, -80.f), 80.f));
+    return 0.5f * g * (2.f - 2.f / (e + 1.f));
+  }
+};
+
+template <typename Act, typename T>
+void act_and_mul_impl(const T* gu, T* out, int64_t rows, int64_t inter, int64_t gs) {
+  at::parallel_for(0, rows, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* g = gu + r * gs;
+      const T* u = g + inter;
+      T* o = out + r * inter;
+#pragma omp simd
+      for (int64_t i = 0; i < inter; ++i) store(o + i, Act::apply(to_f(g[i])) * to_f(u[i]));
+    }
+  });
+}
+
+bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
+
+void check_dtype(const torch::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32 || is_bf16(t), what,
+              ": float32 or bfloat16 only, got ", t.scalar_type());
+  TORCH_CHECK(t.device().is_cpu(), what, ": CPU tensors only");
+}
+
+template <typename T>
+T* ptr(torch::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+template <typename T>
+const T* cptr(const torch::Tensor& t) { return reinterpret_cast<const T*>(t.data_ptr()); }
+
+// W: the norm's weight, float32 or the activations' own dtype
+#define TL_DISPATCH_NORM(x, w, ...)                                      \
+  if (!is_bf16(x)) {                                                     \
+    TORCH_CHECK(!is_bf16(w), "a bfloat16 norm weight needs bfloat16 x"); \
+    using T = float; using W = float; __VA_ARGS__;                       \
+  } else if (is_bf16(w)) {                                               \
+    using T = bf16; using W = bf16; __VA_ARGS__;                         \
+  } else {                                                               \
+    using T = bf16; using W = float; __VA_ARGS__;                        \
+  }
+
+}  // namespace
+
+torch::Tensor add_rms_norm_(torch::Tensor residual, torch::Tensor x, torch::Tensor weight,
+                            double eps) {
+  check_dtype(x, "add_rms_norm_");
+  check_dtype(weight, "add_rms_norm_");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type(), "add_rms_norm_: one dtype");
+  TORCH_CHECK(residual.dim() == 2 && x.sizes() == residual.sizes(),
+              "add_rms_norm_: residual and x [T, n] of one shape");
+  TORCH_CHECK(residual.stride(1) == 1 && x.stride(1) == 1 && weight.is_contiguous() &&
+              weight.numel() == x.size(1), "add_rms_norm_: rows contiguous, weight [n]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  TL_DISPATCH_NORM(x, weight, add_rms_norm_impl<T, W>(ptr<T>(residual), ptr<T>(x),
+                                                      cptr<W>(weight), rows, n,
+                                                      residual.stride(0), x.stride(0),
+                                                      static_cast<float>(eps)));
+  return x;
+}
+
+torch::Tensor rms_norm_(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor out) {
+  check_dtype(x, "rms_norm_");
+  check_dtype(weight, "rms_norm_");
+  TORCH_CHECK(out.scalar_type() == x.scalar_type() && out.sizes() == x.sizes(),
+              "rms_norm_: out of x's dtype and shape");
+  TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "rms_norm_: x [T, n] or [T, H, n]");
+  TORCH_CHECK(x.stride(-1) == 1 && out.stride(-1) == 1 && weight.is_contiguous() &&
+              weight.numel() == x.size(-1), "rms_norm_: rows contiguous, weight [n]");
+  const bool three = x.dim() == 3;
+  const int64_t A = x.size(0), B = three ? x.size(1) : 1, n = x.size(-1);
+  const int64_t xb = three ? x.stride(1) : 0, ob = three ? out.stride(1) : 0;
+  TL_DISPATCH_NORM(x, weight, rms_norm_impl<T, W>(cptr<T>(x), cptr<W>(weight), ptr<T>(out), A,
+                                                  B, n, x.stride(0), xb, out.stride(0), ob,
+                                                  static_cast<float>(eps)));
+  return out;
+}
+
+torch::Tensor rotary_(torch::Tensor x, int64_t heads, torch::Tensor positions,
+                      torch::Tensor cos, torch::Tensor sin) {
+  check_dtype(x, "rotary_");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0 &&
+              x.stride(1) >= x.size(2), "rotary_: x [T, H, D], heads contiguous, D even");
+  TORCH_CHECK(heads >= 0 && heads <= x.size(1), "rotary_: heads ", heads, " of ", x.size(1));
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && sin.scalar_type() == torch::kFloat32 &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() &&
+              cos.dim() == 2 && cos.size(1) == x.size(2) / 2,
+              "rotary_: cos and sin float32 [L, D/2], contiguous");
+  TORCH_CHECK(positions.scalar_type() == torch::kInt64 && positions.is_contiguous() &&
+              positions.numel() == x.size(0), "rotary_: positions int64 [T]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t T = x.size(0), L = cos.size(0);
+  for (int64_t t = 0; t < T; ++t)  // checked here: an error cannot leave a parallel region
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < L, "rotary_: position ", pos[t], " outside the table");
+  const float* c = cos.data_ptr<float>();
+  const float* s = sin.data_ptr<float>();
+  if (is_bf16(x))
+    rotary_impl(ptr<bf16>(x), pos, c, s, T, heads, x.size(2), x.stride(0), x.stride(1));
+  else
+    rotary_impl(ptr<float>(x), pos, c, s, T, heads, x.size(2), x.stride(0), x.stride(1));
+  return x;
+}
+
+template <typename Act>
+torch::Tensor act_and_mul(const torch::Tensor& gu, const char* what) {
+  check_dtype(gu, what);
+  TORCH_CHECK(gu.dim() == 2 && gu.stride(1) == 1 && gu.size(1) % 2 == 0, what,
+              ": gate_up [T, 2I], rows contiguous");
+  const int64_t rows = gu.size(0), inter = gu.size(1) / 2;
+  auto out = torch::empty({rows, inter}, gu.options());
+  if (is_bf16(gu))
+    act_and_mul_impl<Act>(cptr<bf16>(gu), ptr<bf16>(out), rows, inter, gu.stride(0));
+  else
+    act_and_mul_impl<Act>(cptr<float>(gu), ptr<float>(out), rows, inter, gu.stride(0));
+  return out;
+}
+
+torch::Tensor silu_and_mul(torch::Tensor gu) { return act_and_mul<Silu>(gu, "silu_and_mul"); }
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gu) {
+  return act_and_mul<GeluTanh>(gu, "gelu_tanh_and_mul");
+}
+
+bool avx512() { return TL_AVX512; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * w (in place)");
+  m.def("rms_norm_", &rms_norm_, "out = rms_norm(x) * w (out may be x)");
+  m.def("rotary_", &rotary_, "rotate the first heads of x in place, tables read by position");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] gate_up");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up of [T, 2I] gate_up");
+  m.def("avx512", &avx512, "whether the AVX-512 loops are compiled in");
+}

@@ -1,0 +1,278 @@
+"""The C++ fused ops (services/scheduler/models/ops_cpu.cpp) against the torch ops they replace.
+
+float32: how far each op moves from the torch path it replaced is asserted below (sums run in
+another order, and the rotary's products may fuse into one multiply-add: a few float32 ulps).
+bfloat16: every op computes in float32 and rounds once, so each result is within half a
+bfloat16 ulp of the exact (float64) answer, plus the float32 error before the rounding.
+Sizes: aligned (multiples of the 16-lane AVX-512 loop) and odd ones (the scalar tails).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from services.scheduler.models import layers
+from services.scheduler.models.layers import RMSNorm, Rotary
+
+ops = layers.OPS.module()
+pytestmark = pytest.mark.skipif(ops is None, reason=f"no C++ toolchain: {layers.OPS.kernels()}")
+
+SIZES = [1, 7, 16, 61, 64, 576, 1000]  # row widths: odd, aligned, SmolLM2's hidden
+ROWS = [1, 7, 64]
+
+
+def within_bf16_rounding(got: torch.Tensor, exact: torch.Tensor, slack: float = 1e-5) -> None:
+    """got (bf16) is the exact value rounded to nearest: within half an ulp (2^-8 relative),
+    plus float32's error before the rounding."""
+    err = (got.double() - exact).abs()
+    bound = exact.abs() * 2.0**-8 * (1 + 1e-3) + slack * (1 + exact.abs())
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
+
+
+def exact_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xd = x.double()
+    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n", SIZES)
+def test_add_rms_norm_float32_matches_torch(rows, n):
+    torch.manual_seed(n * 100 + rows)
+    residual, x, w = torch.randn(rows, n), torch.randn(rows, n), torch.randn(n)
+    ref_res = residual + x
+    ref = F.rms_norm(ref_res, (n,), w, 1e-5)
+    out = ops.add_rms_norm_(residual, x, w, 1e-5)
+    assert out.data_ptr() == x.data_ptr()  # written over x
+    assert torch.equal(residual, ref_res)  # the residual add is the same float32 add
+    # the norm sums squares in another order: measured 1.4e-6 at most on these sizes (values
+    # of up to ~4: a few float32 ulps)
+    assert (out - ref).abs().max().item() < 4e-6
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n", SIZES)
+def test_add_rms_norm_bfloat16_rounds_once(n, weight_dtype):
+    torch.manual_seed(n)
+    residual = torch.randn(64, n).bfloat16()
+    x = torch.randn(64, n).bfloat16()
+    w = torch.randn(n).to(weight_dtype)
+    ref_res = residual + x  # torch's bf16 add: float32 sum, rounded
+    out = ops.add_rms_norm_(residual, x, w, 1e-6)
+    assert torch.equal(residual, ref_res)
+    within_bf16_rounding(out, exact_norm(ref_res, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [7, 64, 80, 256])
+def test_rms_norm_over_heads_in_place_and_strided(dtype, n):
+    """q and k norms (Qwen3, Gemma 3): [T, H, D] views inside a wider row, normed in place,
+    and nothing outside the view touched."""
+    torch.manual_seed(n)
+    rows = torch.randn(9, 5 * n).to(dtype)
+    before = rows.clone()
+    view = rows[:, n : 4 * n].view(9, 3, n)
+    w = torch.randn(n).to(dtype)
+    ref = F.rms_norm(view.float(), (n,), w.float(), 1e-6)
+    exact = exact_norm(view, w, 1e-6)
+    ops.rms_norm_(view, w, 1e-6, view)
+    assert torch.equal(rows[:, :n], before[:, :n]) and torch.equal(rows[:, 4 * n:],
+                                                                    before[:, 4 * n:])
+    if dtype == torch.float32:  # measured 9.5e-7 at most
+        assert (view - ref).abs().max().item() < 2e-6
+    else:
+        within_bf16_rounding(view, exact)
+
+
+def test_rms_norm_module_float32_moves_little(tiny_rows=33):
+    """RMSNorm.forward on the C++ path against its own torch path (F.rms_norm)."""
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data.normal_()
+    x = torch.randn(tiny_rows, 576) * 3
+    fused = norm(x)
+    assert (fused - norm._torch(x)).abs().max().item() < 5e-6  # measured 1.4e-6
+
+
+def rotary_reference(x: torch.Tensor, positions: torch.Tensor, rot: Rotary) -> torch.Tensor:
+    """The torch path (Rotary.rotate_ on tables looked up by position), in x's dtype."""
+    out = x.clone()
+    Rotary.rotate_(out, rot.tables(positions, x.dtype))
+    return out
+
+
+def rotary_exact(x: torch.Tensor, positions: torch.Tensor, rot: Rotary) -> torch.Tensor:
+    c = rot.cos.double()[positions][:, None, :]
+    s = rot.sin.double()[positions][:, None, :]
+    x1, x2 = x.double().chunk(2, dim=-1)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [6, 32, 64, 80, 256])
+@pytest.mark.parametrize("tokens", [1, 5, 64])
+def test_rotary_on_q_and_k_in_one_call(dtype, head_dim, tokens):
+    """q and k heads inside a qkv row, rotated in place by position; v untouched."""
+    torch.manual_seed(head_dim + tokens)
+    hq, hkv = 9, 3
+    rot = Rotary({"rope_type": "default", "rope_theta": 10000.0}, head_dim, 4096)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim).to(dtype)
+    heads = qkv.view(tokens, hq + 2 * hkv, head_dim)
+    qk = heads[:, : hq + hkv]
+    v_before = heads[:, hq + hkv:].clone()
+    positions = torch.randint(0, 4096, (tokens,))
+    ref = rotary_reference(qk, positions, rot)
+    exact = rotary_exact(qk, positions, rot)
+    ops.rotary_(heads, hq + hkv, positions, rot.cos, rot.sin)
+    assert torch.equal(heads[:, hq + hkv:], v_before)
+    if dtype == torch.float32:
+        # the same products, rounded where torch rounds them or fused into a multiply-add:
+        # measured 4.8e-7 at most against the torch path
+        assert (qk - ref).abs().max().item() < 2e-6
+    else:
+        within_bf16_rounding(qk, exact)
+
+
+def test_rotary_refuses_positions_outside_the_table():
+    rot = Rotary({"rope_type": "default", "rope_theta": 10000.0}, 64, 16)
+    x = torch.randn(2, 4, 64)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        ops.rotary_(x, 4, torch.tensor([3, 16]), rot.cos, rot.sin)
+    with pytest.raises(RuntimeError, match="heads 5 of 4"):
+        ops.rotary_(x, 5, torch.tensor([3, 1]), rot.cos, rot.sin)
+
+
+ACTS = {"silu": (ops.silu_and_mul if ops else None, F.silu),
+        "gelu_pytorch_tanh": (ops.gelu_tanh_and_mul if ops else None,
+                              lambda g: F.gelu(g, approximate="tanh"))}
+
+
+@pytest.mark.parametrize("activation", list(ACTS))
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("inter", [1, 13, 16, 61, 1536])
+def test_act_and_mul_float32_matches_torch(activation, rows, inter):
+    torch.manual_seed(inter + rows)
+    fused, act = ACTS[activation]
+    gu = torch.randn(rows, 2 * inter) * 4
+    gu[0, :2] = torch.tensor([-200.0, 200.0])[: min(2, inter)] if inter > 1 else -200.0
+    gate, up = gu.chunk(2, dim=-1)
+    ref = act(gate) * up
+    out = fused(gu)
+    assert out.shape == (rows, inter) and out.is_contiguous()
+    # exp and the tanh (as exp) computed otherwise than torch's: measured 1.6e-7 at most,
+    # relative to the row's largest value; gates of +-200 (exp would overflow) saturate as
+    # torch's do
+    assert (out - ref).abs().max().item() < 1e-6 * (1 + ref.abs().max().item())
+
+
+@pytest.mark.parametrize("activation", list(ACTS))
+@pytest.mark.parametrize("inter", [13, 64, 1536])
+def test_act_and_mul_bfloat16_rounds_once(activation, inter):
+    torch.manual_seed(inter)
+    fused, act = ACTS[activation]
+    gu = (torch.randn(7, 2 * inter) * 4).bfloat16()
+    gate, up = gu.double().chunk(2, dim=-1)
+    within_bf16_rounding(fused(gu), act(gate) * up, slack=1e-5)
+
+
+def test_act_and_mul_reads_strided_rows():
+    """An int4 matmul's output is a slice of a wider one: rows with a larger stride."""
+    wide = torch.randn(5, 40)
+    gu = wide[:, :32]
+    ref = F.silu(gu[:, :16]) * gu[:, 16:]
+    assert (ops.silu_and_mul(gu) - ref).abs().max().item() < 1e-5
+
+
+def test_other_dtypes_are_refused_by_the_kernels_and_run_in_torch():
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        ops.silu_and_mul(x)
+    assert layers.fused_ops(x) is None  # so the layers take the torch path
+    assert layers.fused_ops(x.half()) is None
+    assert layers.fused_ops(x.float()) is ops
+
+
+# -- whole models: the fused path against the torch path it replaced ---------------------------
+
+
+def _prefill_then_decode(runner, torch_path: bool, monkeypatch) -> torch.Tensor:
+    """Logits of a 12-token prefill's every position, then of one decode step: [13, V]."""
+    from services.scheduler.attention.base import AttentionMetadata
+
+    if torch_path:
+        monkeypatch.setattr(layers, "_ops_module", None)
+    ids = [(37 * i + 11) % 4000 + 10 for i in range(13)]
+
+    def step(begin: int, end: int, idx: torch.Tensor) -> torch.Tensor:
+        n = end - begin
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+            seq_lens=torch.tensor([end], dtype=torch.int32),
+            block_tables=torch.tensor([[0, 1, 2, 3]], dtype=torch.int32),
+            slot_mapping=torch.arange(begin, end), query_lens_cpu=[n], seq_lens_cpu=[end],
+            page_size=runner.page_size)
+        with torch.inference_mode():
+            return runner.model(torch.tensor(ids[begin:end]), torch.arange(begin, end), meta,
+                                runner.kv_caches, idx)
+    out = torch.cat([step(0, 12, torch.arange(12)), step(12, 13, torch.tensor([0]))])
+    monkeypatch.undo()
+    return out
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3", "qwen3"])
+def tiny_family(request, tmp_path_factory, smol_path):
+    from bench.families import make_tiny
+
+    return make_tiny(request.param, tmp_path_factory.mktemp(request.param), smol_path)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_model_logits_near_the_torch_path(tiny_family, dtype, monkeypatch):
+    """Llama (SwiGLU), Gemma 3 (GeGLU, q/k norms, norms after each sublayer) and Qwen3 (q/k
+    norms) with the fused ops against the same model on the torch ops: float32 logits
+    moved by at most 2e-5 (measured: up to 7.2e-6, logits up to ~6.6), the argmax the same at
+    every position; bfloat16 (activations and norms in bf16, as --dtype bfloat16 will run
+    them; cast here) apart by what bf16 rounds (measured: up to 0.13, 2.5% of the largest
+    logit; the fused ops round once per op, the torch ones after every elementwise step)."""
+    from services.scheduler.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_family, device="cpu", dtype="float32", page_size=4,
+                         max_total_tokens=64)
+    if dtype == "bfloat16":  # what --dtype bfloat16 will run: activations and norms in bf16
+        runner.model.to(torch.bfloat16)
+        runner.kv_caches = [(k.bfloat16(), v.bfloat16()) for k, v in runner.kv_caches]
+        runner.backend.use_native = False  # the C++ decode kernel is float32-only today
+    fused = _prefill_then_decode(runner, False, monkeypatch)
+    plain = _prefill_then_decode(runner, True, monkeypatch)
+    err = (fused - plain).abs().max().item()
+    if dtype == "float32":
+        assert err < 2e-5, err
+        assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+    else:
+        assert err < 0.05 * plain.abs().max().item(), err
+
+
+def test_fused_decode_step_calls_half_the_torch_ops(tiny_model_dir, monkeypatch):
+    """One decode step of a 2-layer Llama: torch ops called from Python (C++ op calls
+    included) with the fused ops and without: 128 against 157 (measured), 15 fewer per layer
+    (SmolLM2's batch-1 step: 970 against 516, 32 against 17 per layer, `tokenline bench
+    profile`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.profile import _count_ops, _Labels, _step_fn
+    from services.scheduler.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, device="cpu", dtype="float32",
+                         max_total_tokens=512)
+    counts = {}
+    for torch_path in (False, True):
+        if torch_path:
+            monkeypatch.setattr(layers, "_ops_module", None)
+        fn = _step_fn(runner, "decode1")
+        fn()
+        with _Labels(runner).regions(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+        counts[torch_path] = sum(_count_ops(prof)[0].values())
+    layers_n = runner.num_layers
+    assert counts[False] <= counts[True] - 12 * layers_n, counts
