@@ -37,6 +37,7 @@ import argparse
 import json
 import os
 import time
+import types
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -51,6 +52,7 @@ from bench.roofline import ModelShape, layer_matmul_params, lm_head_params, meas
 CATEGORIES = ("matmuls", "attention", "norms/rope/act", "sampling", "python")
 # record_function labels the tool puts around the parts it attributes whole
 REGION_PREFIX = "tl::"
+CPP_PREFIX = "cpp::"  # a call into our C++ ops
 # layers.py's helpers for the fused ops (where the profiled code has them)
 ELEMENTWISE_HELPERS = ("rms_norm", "add_rms_norm_", "rotary_", "act_and_mul")
 # top-level ops outside those regions that only move, view or look up data
@@ -129,22 +131,30 @@ class _Labels:
 
     @contextmanager
     def regions(self):
-        def wrapper(fn, category: str):
-            label = REGION_PREFIX + category
+        """Also makes each call into layers.py's C++ ops an event of its own (CPP_PREFIX): the
+        profiler does not see a pybind call, and each is one call from Python like a torch op."""
+        from services.scheduler.models import layers
 
+        def wrapper(fn, label: str):
             def labelled(*args, **kwargs):
                 with record_function(label):
                     return fn(*args, **kwargs)
             return labelled
-        with self._patched(wrapper):
+        module = getattr(layers, "_ops_module", None)  # code before the fused ops: none
+        names = dir(module) if isinstance(module, types.ModuleType) else []
+        extra = [(module, name, CPP_PREFIX + name) for name in names
+                 if not name.startswith("_") and callable(getattr(module, name))]
+        with self._patched(wrapper, REGION_PREFIX, extra):
             yield
 
     @contextmanager
-    def _patched(self, wrapper):
+    def _patched(self, wrapper, prefix: str = "", extra: list | None = None):
         import inspect
 
         patched = []
-        for owner, name, category in self.targets:
+        for owner, name, category in [(o, n, prefix + c) for o, n, c in self.targets] + (
+            extra or []
+        ):
             if not hasattr(owner, name):
                 continue
             raw = inspect.getattr_static(owner, name)
@@ -206,7 +216,7 @@ def _count_ops(prof) -> tuple[dict[str, int], float, int, int, list]:
     by_name: dict[str, list[float]] = {}
     for e in prof.events():
         if e.name == "[memory]" or e.name.startswith(REGION_PREFIX):
-            continue
+            continue  # a C++ op's event (CPP_PREFIX) counts as an op: its torch calls do not
         region, parent, top = None, e.cpu_parent, True
         while parent is not None:  # the innermost region around e, and whether an op encloses e
             if not parent.name.startswith(REGION_PREFIX):
