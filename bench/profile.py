@@ -287,6 +287,33 @@ def profile_steps(runner, steps: list[str], repeats: int, flops_per_s: float,
     return out
 
 
+def compare_torch_ops(runner, steps: list[str], repeats: int) -> dict[str, dict[str, float]]:
+    """Each step's fastest wall time with layers.py's C++ ops and with the torch ops they
+    replaced (the fallback, switched in by hand), runs alternating in this one process: the
+    ratio holds on a shared machine where the absolute times do not."""
+    from services.scheduler.models import layers
+
+    built = layers._ops_module
+    out = {}
+    for kind in steps:
+        fn = _step_fn(runner, kind)
+        best = {"fused": float("inf"), "torch": float("inf")}
+        reps = max(2, repeats // 8) if kind == "prefill" else repeats
+        try:
+            for _ in range(reps + 1):  # the first round warms both up
+                for path in best:
+                    layers._ops_module = built if path == "fused" else None
+                    t = time.perf_counter()
+                    fn()
+                    best[path] = min(best[path], time.perf_counter() - t)
+        finally:
+            layers._ops_module = built
+        out[kind] = {"fused_ms": round(best["fused"] * 1e3, 3),
+                     "torch_ms": round(best["torch"] * 1e3, 3),
+                     "speedup": round(best["torch"] / best["fused"], 3)}
+    return out
+
+
 def format_profiles(profiles: list[StepProfile]) -> str:
     lines = [f"{'step':<9} {'wall ms':>8} {'timed':>8} " + " ".join(f"{c:>14}" for c in CATEGORIES)
              + f" {'ops':>6} {'allocs':>7} {'mm bound':>9}"]
@@ -320,6 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, help="torch threads (default: all)")
     p.add_argument("--flops", type=float, help="peak GFLOP/s (default: measured)")
     p.add_argument("--bandwidth", type=float, help="GB/s (default: measured)")
+    p.add_argument("--compare-torch-ops", action="store_true",
+                   help="also time each step with the fused C++ ops and with the torch ops they "
+                        "replaced, alternating in this process")
     p.add_argument("--json", help="also write the profiles here")
     return p
 
@@ -351,12 +381,24 @@ def main(argv: list[str] | None = None) -> int:
           f"{bandwidth / 1e9:.1f} GB/s; load {os.getloadavg()[0]:.1f}")
     profiles = profile_steps(runner, steps, args.repeats, flops, bandwidth)
     print(format_profiles(profiles))
+    compared = None
+    if args.compare_torch_ops:
+        from services.scheduler.models import layers
+
+        if not isinstance(getattr(layers, "_ops_module", None), types.ModuleType):
+            parser.error("--compare-torch-ops: the fused C++ ops are not built here")
+        compared = compare_torch_ops(runner, steps, args.repeats)
+        print("\nfused C++ ops against the torch ops they replaced (fastest wall, alternating):")
+        for kind, c in compared.items():
+            print(f"  {kind:<9} fused {c['fused_ms']:.2f} ms, torch {c['torch_ms']:.2f} ms: "
+                  f"{c['speedup']:.3f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"dtype": args.dtype, "quantization": args.quantization,
                        "threads": torch.get_num_threads(), "flops_per_s": flops,
                        "bytes_per_s": bandwidth, "load": os.getloadavg()[0],
-                       "profiles": [asdict(p) for p in profiles]}, f, indent=1)
+                       "profiles": [asdict(p) for p in profiles],
+                       "compare_torch_ops": compared}, f, indent=1)
     return 0
 
 

@@ -32,3 +32,15 @@ def test_unknown_step_is_refused(capsys):
         profile.main(["--steps", "decode1,decode2"])
     assert exc.value.code == 2
     assert "--steps: unknown step 'decode2'" in capsys.readouterr().err
+
+
+def test_compare_torch_ops_times_both_paths(tiny_model_dir):
+    from services.scheduler.models import layers
+
+    runner = ModelRunner(tiny_model_dir, device="cpu", dtype="float32", max_total_tokens=512)
+    built = layers._ops_module
+    got = profile.compare_torch_ops(runner, ["decode1"], repeats=2)
+    assert layers._ops_module is built  # switched back
+    c = got["decode1"]
+    assert c["fused_ms"] > 0 and c["torch_ms"] > 0
+    assert c["speedup"] == pytest.approx(c["torch_ms"] / c["fused_ms"], rel=1e-2)
