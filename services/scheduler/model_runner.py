@@ -13,7 +13,7 @@ import torch
 from common.logging import get_logger
 from services.scheduler import quant
 from services.scheduler.attention.base import AttentionMetadata, get_backend
-from services.scheduler.attention.torch_backend import TorchBackend, cpu_kernels
+from services.scheduler.attention.torch_backend import TorchBackend, cpu_kernels, native_kernels
 from services.scheduler.models import model_class
 from services.scheduler.request import Request
 
@@ -33,6 +33,17 @@ def _cpu_bf16_linears(device: torch.device) -> bool:
     return device.type == "cpu" and _onednn_enabled() and (
         torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
+
+
+def _cpu_bf16_attention_missing() -> str | None:
+    """Why bfloat16 activations, attention and KV cache would not be fast on this CPU (None:
+    they are): that needs the C++ decode kernel built with AVX512-BF16."""
+    native = native_kernels()
+    if native.module is None:
+        return f"no C++ decode kernel ({native.missing or native.error})"
+    if not native.module.fast_bf16():
+        return "this CPU has no AVX512-BF16"
+    return None
 
 
 def pick_device(name: str) -> torch.device:
@@ -81,10 +92,14 @@ class ModelRunner:
         self.dtype = pick_dtype(dtype, self.device)  # activations, attention, KV cache
         self.linear_dtype = self.dtype  # the projections' weights and matmuls
         if self.dtype == torch.bfloat16 and _cpu_bf16_linears(self.device):
-            # On CPU, bfloat16 pays off in the projections (oneDNN's AVX512-BF16 kernels run
-            # about 2x float32, half the bytes per step) and costs elsewhere (bfloat16
-            # elementwise work and attention have no fast CPU path): the rest stays float32.
-            self.dtype = torch.float32
+            lacking = _cpu_bf16_attention_missing()
+            if lacking:
+                # bfloat16 still pays off in the projections (oneDNN's AVX512-BF16 kernels run
+                # about 2x float32, half the bytes per step); attention in bfloat16 would run
+                # the decode kernel's portable path or plain torch, slower than float32's
+                log.info(f"{lacking}: --dtype bfloat16 runs the projections in bfloat16, "
+                         "activations, attention and the KV cache in float32")
+                self.dtype = torch.float32
         self.page_size = page_size
         self.backend = get_backend(attention_backend, self.device)
         self._load(model_path, max_model_len, quantization, gguf_path)
@@ -110,7 +125,10 @@ class ModelRunner:
             self.linear_backend = f"{self.quantization.kernel}_{quantization}"
             if self.device.type == "cpu":
                 self.linear_dtype = quant.kernel_dtype()
-        elif self.device.type == "cpu" and self.dtype == torch.float32 and _onednn_enabled():
+        elif self.device.type == "cpu" and _onednn_enabled() and (
+            self.dtype == torch.float32
+            or self.dtype == torch.bfloat16 and _cpu_bf16_linears(self.device)
+        ):
             self.model.pack_for_cpu(self.linear_dtype)
             self.linear_backend = "onednn"
         _release_freed_memory()
@@ -158,9 +176,10 @@ class ModelRunner:
         return quant.quantize_model(self.model, mode, gguf, packed=self.device.type == "cpu")
 
     def _pick_attention_kernel(self, num_heads: int) -> str:
-        """On CPU in float32, decodes go through the C++ kernel when it builds for this shape."""
+        """On CPU in float32 or bfloat16, decodes go through the C++ kernel when it builds for
+        this shape."""
         if not isinstance(self.backend, TorchBackend) or self.device.type != "cpu" or (
-            self.dtype != torch.float32
+            self.dtype not in (torch.float32, torch.bfloat16)
         ):
             return self.backend.name
         kernels = cpu_kernels()

@@ -67,6 +67,73 @@ def test_native_decode_matches_the_torch_path(kernels, page, hq, hkv, d, mixed):
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+def bf16_step(page: int, hq: int, hkv: int, d: int, mixed: bool):
+    """A random step (see random_step) with q, k, v and both caches rounded to bfloat16."""
+    gen = torch.Generator().manual_seed(page * hq + d + 1)
+    cached = torch.randint(0, 700, (12,), generator=gen).tolist()
+    spans = [(c, 5 if mixed and i % 4 == 0 else 1) for i, c in enumerate(cached)]
+    *tensors, meta = random_step(spans, page, hq, hkv, d, seed=d + 1)
+    return *(t.bfloat16() for t in tensors), meta
+
+
+def check_bf16_decode(decode, page, hq, hkv, d, mixed, window):
+    """`decode` (a backend) on bfloat16 inputs against the float32 kernel on the same values:
+    within bf16's rounding of the output (half an ulp: 2^-9 of the value), and against torch's
+    own bfloat16 SDPA path (the reference), which rounds its probabilities to bf16 as well."""
+    q, k, v, k_cache, v_cache, meta = bf16_step(page, hq, hkv, d, mixed)
+    scale = d**-0.5
+    exact = TorchBackend(use_native=True).forward(
+        q.float(), k.float(), v.float(), k_cache.float(), v_cache.float(), meta, scale, window)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    want = TorchBackend().forward(q, k, v, ref_k, ref_v, meta, scale, window)
+    got = decode.forward(q, k, v, k_cache, v_cache, meta, scale, window)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)  # bf16 writes, same
+    starts = meta.query_start_loc.tolist()
+    decodes = [starts[b] for b, n in enumerate(meta.query_lens_cpu) if n == 1]
+    torch.testing.assert_close(got[decodes].float(), exact[decodes], atol=1e-3, rtol=2**-8)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+    # and closer to the exact answer than a bf16 rounding of torch's, or about as close
+    assert (got.float() - exact).abs().max() <= (want.float() - exact).abs().max() + 2**-8
+
+
+@pytest.mark.parametrize("page,hq,hkv,d", [(16, 9, 3, 64), (16, 8, 8, 64), (32, 8, 1, 128),
+                                           (4, 6, 2, 80), (16, 8, 2, 256), (8, 4, 4, 96),
+                                           (16, 4, 2, 32)])
+@pytest.mark.parametrize("mixed,window", [(False, None), (True, None), (False, 37)])
+def test_bf16_decode_matches_float32_and_the_torch_path(kernels, page, hq, hkv, d, mixed,
+                                                        window):
+    check_bf16_decode(TorchBackend(use_native=True), page, hq, hkv, d, mixed, window)
+
+
+def test_bf16_kernel_uses_avx512_bf16_where_the_cpu_has_it(kernels):
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    flags = next((line for line in info.read_text().splitlines() if line.startswith("flags")),
+                 "").split() if info.exists() else []
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to check against")
+    assert kernels.fast_bf16() == {"avx512_bf16", "avx512bw", "avx512vl"}.issubset(flags)
+
+
+def test_portable_bf16_kernel_matches_too(kernels, monkeypatch):
+    """The path an AVX2-only CPU builds: the same source without AVX-512 (its own build)."""
+    from services.scheduler import native
+
+    monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS, "-mno-avx512f"])
+    portable = native.Extension(torch_backend.DECODE.source, "the portable decode kernel")
+    try:
+        module = portable.module()
+    finally:
+        native.EXTENSIONS.remove(portable)
+    assert module is not None and not module.fast_bf16()
+    monkeypatch.setattr(torch_backend, "cpu_kernels", lambda: module)
+    for d in (64, 80):
+        check_bf16_decode(TorchBackend(use_native=True), 16, 6, 2, d, mixed=True, window=None)
+        check_bf16_decode(TorchBackend(use_native=True), 16, 6, 2, d, mixed=False, window=37)
+
+
 def test_kernel_says_which_shapes_it_has(kernels):
     assert kernels.supports(64, 3) and kernels.supports(128, 8)
     assert not kernels.supports(72, 3) and not kernels.supports(64, 9)

@@ -13,10 +13,14 @@ Where the time goes on CPU is reading the cache, so this backend reads as little
     one group:  q [n, Hq, 1, D]  x  blocks gathered into [n, Lg, Hkv, D]  (Lg = group's longest,
                 rounded up to a page; a mask hides the tail of the shorter rows)
 
-With `use_native` (the model runner sets it on CPU in float32 when the kernel builds), decodes
-instead go to a small C++ kernel (paged_decode_cpu.cpp) that reads each cached row once, straight
-from the block table: about 3x less memory traffic than gather + SDPA. Without it, and as the
-reference, everything here is plain torch.
+With `use_native` (the model runner sets it on CPU in float32 or bfloat16 when the kernel
+builds), decodes instead go to a small C++ kernel (paged_decode_cpu.cpp) that reads each cached
+row once, straight from the block table: about 3x less memory traffic than gather + SDPA. Without
+it, and as the reference, everything here is plain torch.
+
+In bfloat16 (q, k, v and the cache), prefill and extend chunks run torch's SDPA in bfloat16 as
+they come: on CPU that is its flash kernel, which multiplies in bf16 and sums, and takes the
+softmax, in float32 (docs/benchmarks.md compares it with float32 SDPA on a 2,048-token chunk).
 
 A sliding-window layer masks out keys more than `window - 1` positions before each query (the
 C++ kernel starts its walk at the window instead); the cache itself is the same for every layer.
@@ -134,7 +138,7 @@ class TorchBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, use_native: bool = False) -> None:
-        self.use_native = use_native  # decodes through the C++ kernel (CPU, float32)
+        self.use_native = use_native  # decodes through the C++ kernel (CPU)
         self._meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
         # Gathered K and V land here, reused by every group and layer: a fresh buffer per
