@@ -1,7 +1,7 @@
 """`python -m bench.quant_kernels`: which CPU kernel runs each weight format fastest.
 
 One run times, on SmolLM2-135M's projection shapes (fused qkv, o, fused gate/up, down, and the
-tied lm_head) at batch 1 and 64, every way we can multiply by a weight:
+tied lm_head) at batch 1, 7 and 64, every way we can multiply by a weight:
 
 - float32 / bfloat16 through oneDNN from a packed copy (what `--quantization none` runs);
 - ours: int8 and int4 group-32 weights through services/scheduler/quant_cpu.cpp, float32 in

@@ -4,12 +4,17 @@ SmolLM2 stays under stated bounds (bench.quality on the shipped text)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from bench.quality import measure
 from common.messages import SamplingParams
 from services.scheduler import quant
+from services.scheduler.attention.torch_backend import TorchBackend
 from services.scheduler.engine import EngineCore
+from services.scheduler.models import model_class
 from tests.helpers import engine_args, run_engine
 from tests.integration.test_sampling_engine import _crowd, _seeded
 from tokenline import Engine
@@ -65,3 +70,32 @@ def test_perplexity_and_kl_against_float32_stay_under_bounds():
         assert -1e-6 <= q.mean_kl <= max_kl, q
         assert q.perplexity <= max_ratio * base.perplexity, q
         assert q.top1_agreement >= min_top1, q
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_dequantize_on_load_gives_the_kernels_numbers(tiny_model_dir, mode):
+    """Off CPU (CUDA) the quantized values are dequantized into the plain weights on load,
+    with no kernel: the same model as the CPU kernels run, to float32 summation order."""
+    config = json.loads((tiny_model_dir / "config.json").read_text())
+
+    def load():
+        model = model_class(config)(config, TorchBackend(), 256)
+        model.load_weights(tiny_model_dir)
+        return model.eval()
+
+    plain, packed = load(), load()
+    summary = quant.quantize_model(plain, mode, None, packed=False)
+    assert summary.kernel == "dequantized" and summary.at_load > 0
+    assert all(m.quantized is None for m in plain.modules() if hasattr(m, "quantized"))
+    quant.quantize_model(packed, mode, None, packed=True)
+    checked = 0
+    for (name, a), b in zip(plain.named_modules(), packed.modules(), strict=True):
+        if getattr(b, "quantized", None) is not None:
+            x = torch.randn(5, a.in_features)
+            torch.testing.assert_close(a(x), b(x), rtol=1e-5, atol=1e-5, msg=name)
+            checked += 1
+    assert checked == summary.at_load - 1  # every projection; the lm_head is checked below
+    ids = torch.tensor([0, 3, 100])
+    torch.testing.assert_close(plain.embed(ids), packed.embed(ids))
+    h = torch.randn(2, config["hidden_size"])
+    torch.testing.assert_close(plain.logits(h), packed.logits(h), rtol=1e-5, atol=1e-5)

@@ -184,3 +184,33 @@ def test_gguf_weights_read_q8_0_layers_for_int8(tmp_path):
         np.array(weights.tensors["blk.0.attn_q.weight"].data)), 64).dequantize()
     assert torch.equal(plain.dequantize(), stored.view(4, 8, 2, 64).transpose(1, 2).reshape(64, 64))
     assert weights.plain("layers.0.self_attn.q_proj", "int4") is None  # Q8_0 is not int4
+
+
+def test_portable_kernels_match_reference():
+    """The plain C++ path that machines without AVX512 build (CI may be AVX2 only), built here
+    with AVX512 switched off: the same layout, the same numbers within float32 summation."""
+    import hashlib
+
+    import torch.utils.cpp_extension as cpp_extension
+
+    from services.scheduler import native
+
+    missing = native._toolchain_missing()
+    if missing:
+        pytest.skip(missing)
+    source = quant.KERNELS.source
+    flags = [*native.CFLAGS, "-mno-avx512f"]
+    key = hashlib.sha256(source.read_bytes() + str(source).encode() + " ".join(flags).encode())
+    module = cpp_extension.load(name=f"tokenline_quant_cpu_portable_{key.hexdigest()[:12]}",
+                                sources=[str(source)], extra_cflags=flags,
+                                extra_ldflags=["-fopenmp"])
+    assert not module.vectorized()
+    torch.manual_seed(6)
+    for (n, k), batch in [((48, 96), 1), ((33, 100), 7), ((5, 31), 64), ((40, 64), 16)]:
+        w = torch.randn(n, k) * 0.05
+        x = torch.randn(batch, k)
+        for plain, fn in ((quant.Int8Plain.quantize(w), module.int8_linear),
+                          (quant.Int4Plain.quantize(w), module.int4_linear)):
+            packed = plain.pack()
+            out = quant._native_matmul(fn, x, packed.tiles, packed.scale_min, n, k)
+            _check(out, x, plain.dequantize())
