@@ -1,10 +1,13 @@
 // Weight-only int8 and int4 matmuls on CPU: float32 activations in and out, float32 sums.
 //
-//   out[m, n] = sum_k x[m, k] * w[n, k]      w dequantized in registers, never in memory
+//   out[m, n] = sum_k x[m, k] * w[n, k]
 //
 // Weights are stored in tiles of 16 output channels, interleaved per k, so one 16-byte load
-// gives one k of 16 channels: one vector of dequantized weights then feeds every batch row held
-// in registers (up to 16 rows of accumulators), and the weights are read once per row block.
+// gives one k of 16 channels: one vector of dequantized weights then feeds every batch row of a
+// block held in registers (up to 8 rows of accumulators). Below 16 rows the weights are
+// dequantized in registers, never in memory (batch 1 reads 1 or 0.5 bytes a weight, plus
+// scales); from 16 rows each tile is dequantized once per 64 rows into a float32 buffer and
+// two tiles at a time run from their buffers, each activation broadcast once for both.
 //
 //   int8  q   [T, Kp, 16] uint8        code of channel 16t + c at k: q[t, k, c]
 //   int4  q   [T, Kp/2, 16] uint8      byte (t, j, c) holds k = 2j (low nibble), 2j + 1 (high)
@@ -38,6 +41,8 @@ namespace {
 constexpr int64_t LANES = 16;   // output channels per tile
 constexpr int64_t GROUP = 32;   // k values per scale
 constexpr int64_t ROW_CHUNK = 64;  // batch rows whose activations stay in cache across tiles
+// from this many rows in a chunk a tile is dequantized once into float32 (see float_tile)
+constexpr int64_t DEQUANT_ROWS = 16;
 
 #ifdef __AVX512F__
 
@@ -119,6 +124,88 @@ void int4_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
   store_rows<R>(acc, out, ldo, valid);
 }
 
+// Large batches: a tile is dequantized once into a float32 buffer w [Kp][16] (the numbers the
+// tiles above compute in registers) and every row block then runs from it: no conversions in
+// the inner loop, and two tiles share each activation (float_tile2). The sums run in the same
+// order as in the register path. Measured at batch 64 (1 thread): 5-12% faster than the
+// register path, 0-9% slower than oneDNN float32 on SmolLM2's projections.
+template <typename S>
+void int8_dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 s = load16(sm + g * 2 * LANES);
+    const __m512 m = load16(sm + g * 2 * LANES + LANES);
+    for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * LANES));
+      _mm512_storeu_ps(w + k * LANES,
+                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw)), s, m));
+    }
+  }
+}
+
+template <typename S>
+void int4_dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
+  const __m512i low4 = _mm512_set1_epi32(15);
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 s = load16(sm + g * 2 * LANES);
+    const __m512 m = load16(sm + g * 2 * LANES + LANES);
+    for (int64_t j = g * GROUP / 2; j < (g + 1) * GROUP / 2; ++j) {
+      const __m512i v = _mm512_cvtepu8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * LANES)));
+      _mm512_storeu_ps(w + 2 * j * LANES,
+                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s, m));
+      _mm512_storeu_ps(w + (2 * j + 1) * LANES,
+                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, m));
+    }
+  }
+}
+
+template <int R>
+void float_tile(const float* x, const float* w, int64_t Kp, float* out, int64_t ldo,
+                int valid) {
+  constexpr int U = chains<R>();
+  __m512 acc[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < Kp; k0 += 4) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512 wv = _mm512_loadu_ps(w + (k0 + i) * LANES);
+      const float* xk = x + (k0 + i) * R;
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r)
+        acc[r][i % U] = _mm512_fmadd_ps(wv, _mm512_set1_ps(xk[r]), acc[r][i % U]);
+    }
+  }
+  store_rows<R>(acc, out, ldo, valid);
+}
+
+// Two neighbouring tiles from their buffers: each activation, broadcast once into a register,
+// feeds both (half the loads per FMA of one tile at a time).
+template <int R>
+void float_tile2(const float* x, const float* w0, const float* w1, int64_t Kp, float* out,
+                 int64_t ldo, int valid_last) {
+  constexpr int U = chains<R>();
+  __m512 a0[R][U], a1[R][U];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < U; ++u) a0[r][u] = a1[r][u] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < Kp; k0 += 4) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      const __m512 wa = _mm512_loadu_ps(w0 + (k0 + i) * LANES);
+      const __m512 wb = _mm512_loadu_ps(w1 + (k0 + i) * LANES);
+      const float* xk = x + (k0 + i) * R;
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m512 b = _mm512_set1_ps(xk[r]);
+        a0[r][i % U] = _mm512_fmadd_ps(wa, b, a0[r][i % U]);
+        a1[r][i % U] = _mm512_fmadd_ps(wb, b, a1[r][i % U]);
+      }
+    }
+  }
+  store_rows<R>(a0, out, ldo, 16);
+  store_rows<R>(a1, out + LANES, ldo, valid_last);
+}
+
 #else  // portable: the same tiles in plain loops over the 16 lanes
 
 inline float to_float(float v) { return v; }
@@ -178,6 +265,47 @@ void int4_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
     for (int c = 0; c < valid; ++c) out[r * ldo + c] = acc[r][c];
 }
 
+template <typename S>
+void int8_dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
+  for (int64_t k = 0; k < G * GROUP; ++k)
+    for (int c = 0; c < LANES; ++c) {
+      const int64_t g = k / GROUP;
+      w[k * LANES + c] = std::fma(static_cast<float>(q[k * LANES + c]),
+                                  to_float(sm[g * 2 * LANES + c]),
+                                  to_float(sm[g * 2 * LANES + LANES + c]));
+    }
+}
+
+template <typename S>
+void int4_dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
+  for (int64_t j = 0; j < G * GROUP / 2; ++j)
+    for (int c = 0; c < LANES; ++c) {
+      const int64_t g = 2 * j / GROUP;
+      const float s = to_float(sm[g * 2 * LANES + c]), m = to_float(sm[g * 2 * LANES + LANES + c]);
+      const uint8_t b = q[j * LANES + c];
+      w[2 * j * LANES + c] = std::fma(static_cast<float>(b & 15), s, m);
+      w[(2 * j + 1) * LANES + c] = std::fma(static_cast<float>(b >> 4), s, m);
+    }
+}
+
+template <int R>
+void float_tile(const float* x, const float* w, int64_t Kp, float* out, int64_t ldo,
+                int valid) {
+  float acc[R][LANES] = {};
+  for (int64_t k = 0; k < Kp; ++k)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < LANES; ++c) acc[r][c] += w[k * LANES + c] * x[k * R + r];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < valid; ++c) out[r * ldo + c] = acc[r][c];
+}
+
+template <int R>
+void float_tile2(const float* x, const float* w0, const float* w1, int64_t Kp, float* out,
+                 int64_t ldo, int valid_last) {
+  float_tile<R>(x, w0, Kp, out, ldo, LANES);
+  float_tile<R>(x, w1, Kp, out + LANES, ldo, valid_last);
+}
+
 #endif
 
 struct Int8 {
@@ -185,6 +313,10 @@ struct Int8 {
   static void tile(const float* x, const uint8_t* q, const S* sm, int64_t G, float* out,
                    int64_t ldo, int valid) {
     int8_tile<R, S>(x, q, sm, G, out, ldo, valid);
+  }
+  template <typename S>
+  static void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
+    int8_dequant<S>(q, sm, G, w);
   }
 };
 
@@ -194,12 +326,16 @@ struct Int4 {
                    int64_t ldo, int valid) {
     int4_tile<R, S>(x, q, sm, G, out, ldo, valid);
   }
+  template <typename S>
+  static void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
+    int4_dequant<S>(q, sm, G, w);
+  }
 };
 
-// Batch rows are taken in blocks of 16, 12, 8, then whatever is left (1-7).
-inline int64_t block_rows(int64_t left) {
-  return left >= 16 ? 16 : left >= 12 ? 12 : left >= 8 ? 8 : left;
-}
+// Batch rows are taken in blocks of 8, then whatever is left (1-7): two tiles x 8 rows is 16
+// accumulators, which with the two weight vectors and a broadcast stays in registers (two
+// tiles x 12 rows spilled here, and measured slower than 8).
+inline int64_t block_rows(int64_t left) { return left >= 8 ? 8 : left; }
 
 template <typename K, typename S, int R>
 inline void tile_rows(const float* x, const uint8_t* q, const S* s, int64_t G, float* out,
@@ -211,8 +347,6 @@ template <typename K, typename S>
 void tile_block(int64_t R, const float* x, const uint8_t* q, const S* s, int64_t G, float* out,
                 int64_t ldo, int valid) {
   switch (R) {
-    case 16: return tile_rows<K, S, 16>(x, q, s, G, out, ldo, valid);
-    case 12: return tile_rows<K, S, 12>(x, q, s, G, out, ldo, valid);
     case 8: return tile_rows<K, S, 8>(x, q, s, G, out, ldo, valid);
     case 7: return tile_rows<K, S, 7>(x, q, s, G, out, ldo, valid);
     case 6: return tile_rows<K, S, 6>(x, q, s, G, out, ldo, valid);
@@ -222,6 +356,20 @@ void tile_block(int64_t R, const float* x, const uint8_t* q, const S* s, int64_t
     case 2: return tile_rows<K, S, 2>(x, q, s, G, out, ldo, valid);
     default: return tile_rows<K, S, 1>(x, q, s, G, out, ldo, valid);
   }
+}
+
+// One or two tiles' buffers (w1 null: one) against R rows.
+void float_block(int64_t R, const float* x, const float* w0, const float* w1, int64_t Kp,
+                 float* out, int64_t ldo, int valid) {
+#define FLOAT_CASE(n)                                                        \
+  case n:                                                                    \
+    if (w1) return float_tile2<n>(x, w0, w1, Kp, out, ldo, valid);           \
+    return float_tile<n>(x, w0, Kp, out, ldo, valid);
+  switch (R) {
+    FLOAT_CASE(8) FLOAT_CASE(7) FLOAT_CASE(6) FLOAT_CASE(5) FLOAT_CASE(4)
+    FLOAT_CASE(3) FLOAT_CASE(2) default: FLOAT_CASE(1)
+  }
+#undef FLOAT_CASE
 }
 
 // Tiles split across threads; each thread walks its tiles once per chunk of 64 batch rows, so
@@ -240,6 +388,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
   float* op = out.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> packed(M > 1 ? std::min(M, ROW_CHUNK) * Kp : 0);
+    std::vector<float> wbuf(M >= DEQUANT_ROWS ? 2 * Kp * LANES : 0);
     for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
       const int64_t rows = std::min(ROW_CHUNK, M - m0);
       const float* xs = xp + m0 * Kp;
@@ -252,6 +401,23 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
           dst += R * Kp;
         }
         xs = packed.data();
+      }
+      if (rows >= DEQUANT_ROWS) {
+        for (int64_t t = begin; t < end; t += 2) {
+          const bool two = t + 1 < end;
+          const int valid = static_cast<int>(std::min(LANES, N - (t + two) * LANES));
+          for (int64_t i = 0; i <= two; ++i)
+            K::template dequant<S>(qp + (t + i) * q_per_tile, sp + (t + i) * s_per_tile, G,
+                                   wbuf.data() + i * Kp * LANES);
+          const float* xb = xs;
+          for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0)) {
+            const int64_t R = block_rows(rows - r0);
+            float_block(R, xb, wbuf.data(), two ? wbuf.data() + Kp * LANES : nullptr, Kp,
+                        op + (m0 + r0) * N + t * LANES, N, valid);
+            xb += R * Kp;
+          }
+        }
+        continue;
       }
       for (int64_t t = begin; t < end; ++t) {
         const int valid = static_cast<int>(std::min(LANES, N - t * LANES));
