@@ -49,6 +49,14 @@ class ServerArgs:
     attention_backend: str = _flag("auto", "auto, torch or triton",
                                    choices=["auto", "torch", "triton"])
     num_threads: int | None = _flag(None, "torch CPU threads of the model worker")
+    omp_threads_bind: str = _flag(
+        "none", "pin the scheduler's OpenMP threads one per core: a core list such as 0-1 or "
+        "0,2,4-5, auto (every core this process may use) or none (the OS places them); sets "
+        "OMP_PLACES, OMP_PROC_BIND and the process's CPU affinity (tokenline serve)",
+        type="cpu_list")
+    malloc: str = _flag("auto", "the scheduler process's malloc, preloaded by tokenline serve: "
+                        "tcmalloc, jemalloc, system (glibc's), or auto (tcmalloc, else jemalloc, "
+                        "else system)", choices=["auto", "tcmalloc", "jemalloc", "system"])
     page_size: int = _flag(16, "tokens per KV block")
     max_total_tokens: int | None = _flag(None, "KV pool size in tokens (overrides the fraction)")
     mem_fraction_static: float = _flag(0.9, "fraction of memory for weights and KV pool")
@@ -134,6 +142,47 @@ def check_device(value: str) -> str:
     raise argparse.ArgumentTypeError(f"{value!r} is not auto, cpu, cuda or cuda:N")
 
 
+def parse_cpu_list(value: str) -> list[int]:
+    """`0-1,4` -> [0, 1, 4]: cores, each one this process may run on."""
+    cores: set[int] = set()
+    try:
+        for part in value.split(","):
+            lo, _, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi or lo)
+            if first < 0 or last < first:
+                raise ValueError
+            cores.update(range(first, last + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not auto, none or a core list such as 0-1 or 0,2,4-5") from None
+    allowed = os.sched_getaffinity(0)
+    if not cores <= allowed:
+        raise argparse.ArgumentTypeError(
+            f"core {min(cores - allowed)} is not one this process may run on "
+            f"({format_cpu_list(sorted(allowed))})")
+    return sorted(cores)
+
+
+def format_cpu_list(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> `0-2,5`."""
+    runs: list[list[int]] = []
+    for c in cores:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def check_cpu_list(value: str) -> str:
+    """none, auto, or a core list (checked against this process's affinity)."""
+    if value in ("none", "auto"):
+        return value
+    parse_cpu_list(value)
+    return value
+
+
+_CHECKS = {"device": check_device, "cpu_list": check_cpu_list}
 _KINDS = {"int": int, "float": float, "int | None": int, "float | None": float}
 
 
@@ -150,7 +199,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             action = argparse.BooleanOptionalAction if negatable else "store_true"
             parser.add_argument(flag, action=action, default=default, help=help_text)
             continue
-        kind = check_device if meta.pop("type", None) == "device" else _KINDS.get(str(f.type), str)
+        check = meta.pop("type", None)
+        kind = _CHECKS[check] if check else _KINDS.get(str(f.type), str)
         default = f.default
         if env is not None:
             try:

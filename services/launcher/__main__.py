@@ -14,6 +14,7 @@ from common.config import ServerArgs, parse_server_args, to_argv
 from common.logging import configure, get_logger
 from common.modelstore import prepare_model
 from services.launcher.nats import NatsServer, die_with_parent
+from services.launcher.scheduler_env import bound_cores, scheduler_env
 
 log = get_logger("launcher")
 
@@ -34,10 +35,12 @@ def _say(line: str, stream) -> None:
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str] | None = None,
+                 cores: list[int] | None = None) -> None:
         self.name = name
         self.argv = argv
         self.env = env
+        self.cores = cores  # its CPU affinity (None: the launcher's)
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.next_start = 0.0
@@ -45,8 +48,13 @@ class Child:
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{self.name}", *self.argv],
-            preexec_fn=die_with_parent, env=self.env,
+            preexec_fn=self._before_exec, env=self.env,
         )
+
+    def _before_exec(self) -> None:
+        die_with_parent()
+        if self.cores:
+            os.sched_setaffinity(0, self.cores)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -83,12 +91,21 @@ class Launcher:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         t0 = time.monotonic()
+        args = self.args
+        env = dict(os.environ)
+        for name in SECRETS:
+            if (value := getattr(args, name)) is not None:
+                env["TOKENLINE_" + name.upper()] = value
+        try:
+            sched_env = scheduler_env(args, env)
+        except ValueError as exc:
+            _say(f"tokenline serve: error: {exc}", sys.stderr)
+            return 2
         try:  # convert once, before the children
             prepare_model(self.args.model, self.args.cache_dir)
         except (OSError, ValueError) as exc:
             _say(f"tokenline serve: error: {exc}", sys.stderr)
             return 2
-        args = self.args
         if not args.nats_url:
             server = NatsServer(user=args.nats_user, password=args.nats_password,
                                 token=args.nats_token).start()
@@ -96,11 +113,9 @@ class Launcher:
             args = dataclasses.replace(args, nats_url=server.url)
             log.info("embedded NATS server", url=server.url)
         argv = to_argv(dataclasses.replace(args, instance_id=None, **dict.fromkeys(SECRETS)))
-        env = dict(os.environ)
-        for name in SECRETS:
-            if (value := getattr(args, name)) is not None:
-                env["TOKENLINE_" + name.upper()] = value
-        self.children = [Child(name, argv, env) for name in SERVICES]
+        self.children = [Child(name, argv, sched_env if name == "scheduler" else env,
+                               bound_cores(args) if name == "scheduler" else None)
+                         for name in SERVICES]
         for child in self.children:
             child.start()
         url = f"http://{args.host}:{args.port}"

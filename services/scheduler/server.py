@@ -7,13 +7,14 @@ queue in the engine's inbox) and publishing the previous step's outputs.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import zlib
 from collections import defaultdict, deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from common import tracing
+from common import malloc, tracing
 from common.config import ServerArgs
 from common.logging import get_logger, request_logger
 from common.messages import (
@@ -55,6 +56,19 @@ class SchedulerService(Service):
 
     def __init__(self, args: ServerArgs) -> None:
         super().__init__(args)
+        name, library = malloc.running()  # what runs, not what was asked for
+        log.info(f"malloc: {name}", library=library, asked=args.malloc)
+        if args.malloc in ("tcmalloc", "jemalloc") and name != args.malloc:
+            log.warning(f"--malloc {args.malloc} is not what runs: `tokenline serve` preloads "
+                        "it; a scheduler started alone needs LD_PRELOAD",
+                        library=str(malloc.find(args.malloc)))
+        if places := os.environ.get("OMP_PLACES"):
+            log.info("OpenMP threads bound one per core", places=places,
+                     threads=os.environ.get("OMP_NUM_THREADS"))
+        elif args.omp_threads_bind != "none":
+            log.warning(f"--omp-threads-bind {args.omp_threads_bind} is not in effect: it is "
+                        "set up by `tokenline serve`; started alone, set OMP_PLACES, "
+                        "OMP_PROC_BIND=close and the process's affinity (taskset)")
         # Every torch call runs on this one thread, the model's loading included: libgomp keeps
         # a thread team per calling thread, and once two teams outnumber the cores it stops
         # spinning between parallel regions. A decode step at batch 1 then took 25 ms, not 19.
