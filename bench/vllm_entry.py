@@ -10,6 +10,7 @@ vLLM's own interpreter and imports nothing of ours.
 import importlib.metadata as metadata
 import runpy
 import sys
+from pathlib import Path
 
 _version = metadata.version
 
@@ -24,6 +25,10 @@ def _version_of(name: str) -> str:
 
 
 if __name__ == "__main__":
+    # Python put this file's folder (bench/) first on sys.path; its modules must not shadow
+    # what vLLM imports (bench/step_profile.py was once bench/profile.py, the stdlib's name)
+    if sys.path and sys.path[0] == str(Path(__file__).resolve().parent):
+        sys.path.pop(0)
     metadata.version = _version_of
     script = sys.argv.pop(1)
     sys.argv[0] = script

@@ -16,7 +16,7 @@ BENCH = {
     "roofline": "bench.roofline",
     "peers": "bench.peers",
     "quality": "bench.quality",
-    "profile": "bench.profile",
+    "profile": "bench.step_profile",
 }
 
 USAGE = """usage: tokenline COMMAND [ARGS]

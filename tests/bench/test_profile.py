@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import profile
+from bench import step_profile as profile
 from services.scheduler.model_runner import ModelRunner
 
 

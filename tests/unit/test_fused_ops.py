@@ -260,7 +260,7 @@ def test_fused_decode_step_calls_half_the_torch_ops(tiny_model_dir, monkeypatch)
     profile`)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.profile import _count_ops, _Labels, _step_fn
+    from bench.step_profile import _count_ops, _Labels, _step_fn
     from services.scheduler.model_runner import ModelRunner
 
     runner = ModelRunner(tiny_model_dir, device="cpu", dtype="float32",
