@@ -26,6 +26,8 @@ class Bus:
         self.nc: Client | None = None
         # called with False when the connection to NATS drops, True when it is back
         self.on_connection_change: list[Callable[[bool], None]] = []
+        self._handling: set[asyncio.Task] = set()  # handlers of unordered subscriptions
+        self._unordered: list = []  # their subscriptions, drained first on close
 
     async def connect(self, attempts: int = 120) -> None:
         """Connect, retrying while the server is not up yet (services may start first)."""
@@ -122,21 +124,21 @@ class Bus:
         reply = await self.nc.request(subject, messages.encode(msg), timeout=timeout)
         return messages.decode(reply.data)
 
-    async def subscribe(self, subject: str, handler: Handler, queue: str = "") -> None:
+    async def subscribe(self, subject: str, handler: Handler, queue: str = "",
+                        ordered: bool = True) -> None:
         """Deliver each decoded message to `handler`; a failing handler never kills the service.
 
         A message sent with `publish_acked` is acknowledged on receipt, before the handler
-        runs."""
+        runs. NATS hands one subscription's messages over one at a time, so with `ordered`
+        a message waits (unacknowledged) until the handler of the one before it returns. A
+        handler that may wait on someone else (the tokenizer's, which waits for a scheduler's
+        receipt, seconds when that scheduler has just died) takes `ordered=False`: each
+        message is acknowledged at once and handled in a task of its own, in no set order."""
         assert self.nc is not None
         service, _, instance_id = self.name.partition(":")
         receipt = messages.encode(messages.ReceiptOut(service=service, instance_id=instance_id))
 
-        async def on_msg(raw: Msg) -> None:
-            if raw.reply:
-                try:
-                    await raw.respond(receipt)
-                except Exception as exc:  # noqa: BLE001 - the sender's timeout covers it
-                    log.warning("receipt not sent", subject=raw.subject, error=str(exc))
+        async def handle(raw: Msg) -> None:
             try:
                 msg = messages.decode(raw.data)
             except Exception as exc:  # noqa: BLE001
@@ -147,8 +149,23 @@ class Bus:
             except Exception:  # noqa: BLE001
                 log.exception("handler failed", subject=raw.subject)
 
-        await self.nc.subscribe(subject, queue=queue, cb=on_msg, pending_msgs_limit=-1,
-                                pending_bytes_limit=-1)
+        async def on_msg(raw: Msg) -> None:
+            if raw.reply:
+                try:
+                    await raw.respond(receipt)
+                except Exception as exc:  # noqa: BLE001 - the sender's timeout covers it
+                    log.warning("receipt not sent", subject=raw.subject, error=str(exc))
+            if ordered:
+                await handle(raw)
+                return
+            task = asyncio.create_task(handle(raw))
+            self._handling.add(task)
+            task.add_done_callback(self._handling.discard)
+
+        sub = await self.nc.subscribe(subject, queue=queue, cb=on_msg, pending_msgs_limit=-1,
+                                      pending_bytes_limit=-1)
+        if not ordered:
+            self._unordered.append(sub)
         await self.nc.flush()  # the server knows the subscription before anyone relies on it
 
     async def subscribe_requests(
@@ -196,7 +213,19 @@ class Bus:
         if self.nc is not None:
             await self.nc.flush()
 
-    async def close(self) -> None:
+    async def close(self, grace: float = 10.0) -> None:
+        """Drain: no new messages, the ones received are handled (unordered handlers get
+        `grace` seconds to finish: each was acknowledged, so each is owed its hand-off)."""
+        if self.nc is not None and not self.nc.is_closed and self._unordered:
+            for sub in self._unordered:
+                try:
+                    await sub.drain()
+                except Exception:  # noqa: BLE001 - closing anyway
+                    pass
+            if self._handling:
+                await asyncio.wait(set(self._handling), timeout=grace)
+        for task in list(self._handling):
+            task.cancel()
         if self.nc is not None and not self.nc.is_closed:
             try:
                 await self.nc.drain()

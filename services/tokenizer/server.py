@@ -58,7 +58,10 @@ class TokenizerService(Service):
             await self.bus.subscribe(self.subjects.kv_events(), self.on_kv_events)
             await self.bus.subscribe(self.subjects.stats_all("scheduler"), self.on_sched_stats)
             self.spawn(self._expire_views())
-        await self.bus.subscribe(self.subjects.tokenizer, self.on_request, queue=TOKENIZER_QUEUE)
+        # unordered: a request whose scheduler died on the way waits seconds for a receipt,
+        # and the requests behind it must not wait (unacknowledged: the gateway 503s them)
+        await self.bus.subscribe(self.subjects.tokenizer, self.on_request, queue=TOKENIZER_QUEUE,
+                                 ordered=False)
         await self.bus.subscribe(self.subjects.abort, self.on_abort)
 
     def stats(self) -> StatsOut:

@@ -62,3 +62,46 @@ def test_token_protected_nats():
                 await nats.connect(server.url, token="wrong", allow_reconnect=False)
 
         asyncio.run(main())
+
+
+def test_an_unordered_subscription_acknowledges_while_an_earlier_handler_still_waits(nats_server):
+    """The tokenizer's case: its handler waits on a scheduler's receipt (seconds when that
+    scheduler just died). NATS hands a subscription's messages over one at a time, so in an
+    ordered subscription the next request sits unacknowledged behind it and the gateway
+    gives up on it; an unordered one acknowledges it at once and handles it alongside."""
+    async def main() -> None:
+        sender = await _bus(nats_server.url, "gateway:g-1")
+        receiver = await _bus(nats_server.url, "tokenizer:t-1")
+        release = asyncio.Event()
+        got: list[str] = []
+
+        async def handler(msg, headers) -> None:
+            if msg.rid.startswith("slow"):
+                await release.wait()
+            got.append(msg.rid)
+
+        await receiver.subscribe("tl.ordered", handler)
+        await receiver.subscribe("tl.unordered", handler, ordered=False)
+        await sender.publish_acked("tl.ordered", AbortReq(rid="slow-o"), timeout=2)
+        with pytest.raises(nats.errors.TimeoutError):  # behind the waiting handler: no receipt
+            await sender.publish_acked("tl.ordered", AbortReq(rid="fast-o"), timeout=0.5)
+
+        await sender.publish_acked("tl.unordered", AbortReq(rid="slow-u"), timeout=2)
+        receipt = await sender.publish_acked("tl.unordered", AbortReq(rid="fast-u"), timeout=2)
+        assert receipt == ReceiptOut(service="tokenizer", instance_id="t-1")
+        for _ in range(100):
+            if "fast-u" in got:
+                break
+            await asyncio.sleep(0.01)
+        assert got == ["fast-u"]  # handled while "slow-u" still waits
+
+        # closing drains: the acknowledged, still waiting handler finishes before the bus goes
+        closing = asyncio.create_task(receiver.close())
+        await asyncio.sleep(0.2)
+        assert not closing.done()
+        release.set()
+        await asyncio.wait_for(closing, timeout=5)
+        assert sorted(got) == ["fast-o", "fast-u", "slow-o", "slow-u"]
+        await sender.close()
+
+    asyncio.run(main())
