@@ -31,7 +31,7 @@ class Service:
         self.bus = Bus(args, f"{self.name}:{self.instance_id}")
         self.started = time.time()
         self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()  # running ones: cancelled at shutdown
 
     async def setup(self) -> None:
         """Subscribe to subjects (after the bus is connected)."""
@@ -51,9 +51,20 @@ class Service:
             await asyncio.sleep(self.args.stats_interval)
 
     def spawn(self, coro: Awaitable) -> asyncio.Task:
+        """Run `coro` in the background until it ends or the service shuts down. A finished
+        task leaves the set: the tokenizer spawns one per KV snapshot it asks for."""
         task = asyncio.ensure_future(coro)
-        self._tasks.append(task)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
         return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        # nobody awaits these: a failure would otherwise surface only when the task is
+        # collected, as asyncio's "exception was never retrieved"
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("background task failed", task=task.get_name(),
+                      error=repr(exc), exc_info=exc)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -71,7 +82,7 @@ class Service:
         tracing.shutdown()  # last: spans ended while shutting down still go out
 
     async def shutdown(self) -> None:
-        for task in self._tasks:
+        for task in list(self._tasks):  # a cancelled task leaves the set when it ends
             task.cancel()
         await self.bus.close()
 
