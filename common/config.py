@@ -52,11 +52,14 @@ class ServerArgs:
     omp_threads_bind: str = _flag(
         "none", "pin the scheduler's OpenMP threads one per core: a core list such as 0-1 or "
         "0,2,4-5, auto (every core this process may use) or none (the OS places them); sets "
-        "OMP_PLACES, OMP_PROC_BIND and the process's CPU affinity (tokenline serve)",
+        "OMP_PLACES, OMP_PROC_BIND and the process's CPU affinity (tokenline serve; a scheduler "
+        "started alone must be started so, or it refuses the flag)",
         type="cpu_list")
     malloc: str = _flag("auto", "the scheduler process's malloc, preloaded by tokenline serve: "
                         "tcmalloc, jemalloc, system (glibc's), or auto (tcmalloc, else jemalloc, "
-                        "else system)", choices=["auto", "tcmalloc", "jemalloc", "system"])
+                        "else system; a scheduler started alone: whatever its LD_PRELOAD gives, "
+                        "and a named one it does not run is refused)",
+                        choices=["auto", "tcmalloc", "jemalloc", "system"])
     page_size: int = _flag(16, "tokens per KV block")
     max_total_tokens: int | None = _flag(None, "KV pool size in tokens (overrides the fraction)")
     mem_fraction_static: float = _flag(0.9, "fraction of memory for weights and KV pool")

@@ -20,6 +20,7 @@ _NAMES = {
     "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
     "jemalloc": ("libjemalloc.so.2",),
 }
+PACKAGES = {"tcmalloc": "libtcmalloc-minimal4", "jemalloc": "libjemalloc2"}  # Debian's
 # a mapped file whose name holds this is that malloc
 _MARKS = {"tcmalloc": "libtcmalloc", "jemalloc": "libjemalloc"}
 
@@ -45,9 +46,8 @@ def resolve(choice: str) -> Path | None:
         raise ValueError(f"--malloc {choice!r}: choose from {', '.join(CHOICES)}")
     path = find(choice)
     if path is None:
-        package = "libtcmalloc-minimal4" if choice == "tcmalloc" else "libjemalloc2"
-        raise ValueError(f"--malloc {choice}: no {choice} library found (install {package}, or "
-                         "use --malloc auto or system)")
+        raise ValueError(f"--malloc {choice}: no {choice} library found (install "
+                         f"{PACKAGES[choice]}, or use --malloc auto or system)")
     return path
 
 
@@ -57,6 +57,15 @@ def preload_env(env: dict[str, str], library: Path | None) -> dict[str, str]:
         return env
     rest = env.get("LD_PRELOAD", "")
     return {**env, "LD_PRELOAD": f"{library}:{rest}" if rest else str(library)}
+
+
+def preloaded(ld_preload: str) -> str | None:
+    """The malloc (tcmalloc or jemalloc) an LD_PRELOAD value loads, if any."""
+    for path in ld_preload.replace(" ", ":").split(":"):
+        for name, mark in _MARKS.items():
+            if mark in Path(path).name:
+                return name
+    return None
 
 
 def running(maps: str | None = None) -> tuple[str, str | None]:

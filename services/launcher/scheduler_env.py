@@ -23,7 +23,11 @@ def bound_cores(args: ServerArgs) -> list[int] | None:
 
 def scheduler_env(args: ServerArgs, env: dict[str, str]) -> dict[str, str]:
     """`env` for the scheduler child. Raises ValueError (naming the flag) for a malloc that is
-    not installed, or more threads than bound cores."""
+    not installed, or already preloaded against --malloc system, or more threads than bound
+    cores."""
+    if args.malloc == "system" and (other := malloc.preloaded(env.get("LD_PRELOAD", ""))):
+        raise ValueError(f"--malloc system: LD_PRELOAD loads {other} into every process; unset "
+                         "it, or use --malloc auto")
     env = malloc.preload_env(env, malloc.resolve(args.malloc))
     cores = bound_cores(args)
     if cores is None:

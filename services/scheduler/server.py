@@ -35,6 +35,7 @@ from common.messages import (
 from common.peers import PeerTable
 from common.service import Service
 from common.subjects import SCHEDULER_QUEUE
+from services.scheduler import process_setup
 from services.scheduler.engine import EngineCore, StepStats
 from services.scheduler.spans import SchedulerSpans
 
@@ -56,19 +57,12 @@ class SchedulerService(Service):
 
     def __init__(self, args: ServerArgs) -> None:
         super().__init__(args)
-        name, library = malloc.running()  # what runs, not what was asked for
-        log.info(f"malloc: {name}", library=library, asked=args.malloc)
-        if args.malloc in ("tcmalloc", "jemalloc") and name != args.malloc:
-            log.warning(f"--malloc {args.malloc} is not what runs: `tokenline serve` preloads "
-                        "it; a scheduler started alone needs LD_PRELOAD",
-                        library=str(malloc.find(args.malloc)))
+        running = malloc.running()  # what runs, not what was asked for
+        process_setup.check(args, running, os.environ, os.sched_getaffinity(0))
+        log.info(f"malloc: {running[0]}", library=running[1], asked=args.malloc)
         if places := os.environ.get("OMP_PLACES"):
             log.info("OpenMP threads bound one per core", places=places,
                      threads=os.environ.get("OMP_NUM_THREADS"))
-        elif args.omp_threads_bind != "none":
-            log.warning(f"--omp-threads-bind {args.omp_threads_bind} is not in effect: it is "
-                        "set up by `tokenline serve`; started alone, set OMP_PLACES, "
-                        "OMP_PROC_BIND=close and the process's affinity (taskset)")
         # Every torch call runs on this one thread, the model's loading included: libgomp keeps
         # a thread team per calling thread, and once two teams outnumber the cores it stops
         # spinning between parallel regions. A decode step at batch 1 then took 25 ms, not 19.

@@ -3,6 +3,7 @@ variable alike; `tokenline serve` stops instead of restarting a service that can
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -63,3 +64,73 @@ def test_serve_gives_up_on_a_service_that_cannot_start(smol_path):
     logs = out.stdout + out.stderr
     assert logs.count('"event": "cannot start"') == 3 and "no room for a KV cache" in logs
     assert "Traceback" not in logs
+
+
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+ALL_CORES = {0, 1}
+
+
+@pytest.mark.parametrize("argv, running, environ, affinity, message", [
+    (["--malloc", "tcmalloc"], ("glibc", None), {}, ALL_CORES,
+     "--malloc tcmalloc: this scheduler runs glibc's malloc; only `tokenline serve` sets that "
+     "up, before the process starts; started alone, set LD_PRELOAD"),
+    (["--malloc", "jemalloc"], ("tcmalloc", TCMALLOC), {}, ALL_CORES,
+     "--malloc jemalloc: this scheduler runs tcmalloc"),
+    (["--malloc", "system"], ("tcmalloc", TCMALLOC), {}, ALL_CORES,
+     f"--malloc system: this scheduler runs tcmalloc ({TCMALLOC}), preloaded by LD_PRELOAD; "
+     "unset it, or use --malloc auto"),
+    (["--omp-threads-bind", "auto"], ("glibc", None), {}, ALL_CORES,
+     "--omp-threads-bind auto: only `tokenline serve` sets that up, before the process starts; "
+     "started alone, set OMP_PLACES={0},{1} OMP_PROC_BIND=close and its CPU affinity (taskset "
+     "-c 0-1) in its environment, or leave the flag at none"),
+    # places given, but the process may run off the named core
+    (["--omp-threads-bind", "0"], ("glibc", None), {"OMP_PLACES": "{0}"}, ALL_CORES,
+     "--omp-threads-bind 0: only `tokenline serve` sets that up"),
+])
+def test_a_scheduler_refuses_process_setup_it_was_not_started_with(
+        argv, running, environ, affinity, message, monkeypatch):
+    from services.scheduler import process_setup
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: affinity)  # the core list's check
+    with pytest.raises(ValueError) as exc:
+        process_setup.check(parse_server_args(argv), running, environ, affinity)
+    assert message in str(exc.value)
+
+
+@pytest.mark.parametrize("argv, running, environ, affinity", [
+    ([], ("glibc", None), {}, ALL_CORES),  # the defaults: compose's scheduler
+    ([], ("tcmalloc", TCMALLOC), {"OMP_PLACES": "{0}"}, {0}),  # auto is what runs
+    (["--malloc", "system"], ("glibc", None), {}, ALL_CORES),
+    (["--malloc", "tcmalloc"], ("tcmalloc", TCMALLOC), {}, ALL_CORES),
+    # as `tokenline serve --omp-threads-bind 0` starts its scheduler, or taskset would
+    (["--omp-threads-bind", "0"], ("glibc", None), {"OMP_PLACES": "{0}"}, {0}),
+    (["--omp-threads-bind", "auto"], ("glibc", None), {"OMP_PLACES": "{0},{1}"}, ALL_CORES),
+])
+def test_a_scheduler_accepts_the_defaults_and_what_it_runs(argv, running, environ, affinity,
+                                                           monkeypatch):
+    from services.scheduler import process_setup
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: ALL_CORES)
+    process_setup.check(parse_server_args(argv), running, environ, affinity)
+
+
+def test_a_scheduler_started_alone_says_which_flag_it_cannot_honour():
+    env = {k: v for k, v in os.environ.items() if k not in (
+        "LD_PRELOAD", "OMP_PLACES", "TOKENLINE_MALLOC", "TOKENLINE_OMP_THREADS_BIND")}
+    for flags, message in [
+        (["--malloc", "tcmalloc"], "--malloc tcmalloc: this scheduler runs glibc's malloc"),
+        (["--omp-threads-bind", "auto"], "--omp-threads-bind auto: only `tokenline serve`"),
+    ]:
+        out = subprocess.run([sys.executable, "-m", "services.scheduler", *flags], cwd=REPO,
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 1, out.stderr
+        lines = [line for line in (out.stdout + out.stderr).splitlines() if line.strip()]
+        assert len(lines) == 1 and '"event": "cannot start"' in lines[0], lines
+        assert message in lines[0]
+
+
+def test_serve_refuses_system_malloc_under_a_preloaded_one():
+    from services.launcher.scheduler_env import scheduler_env
+
+    with pytest.raises(ValueError, match="--malloc system: LD_PRELOAD loads tcmalloc"):
+        scheduler_env(parse_server_args(["--malloc", "system"]), {"LD_PRELOAD": TCMALLOC})
