@@ -3,11 +3,16 @@
 `ServerProcess` runs any HTTP server command with its output in a log file (a pipe nobody
 reads fills up and blocks the server). `TokenlineServer` is `tokenline serve`;
 `LlamaServer` is llama.cpp's `llama-server` and `VllmServer` vLLM's `vllm serve` (its CPU build),
-the peers in `bench.peers`.
+the peers in `bench.peers`. `service_stack` is tokenline as compose runs it, one process per
+service on a local nats-server, and `compare_stacks` measures configurations of it in
+alternating rounds (`bench.scale_out`, `bench.routing`).
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
 import os
 import shutil
 import signal
@@ -17,7 +22,13 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+from bench.serve import run_benchmark
+from services.launcher.nats import NatsServer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -195,3 +206,98 @@ class VllmServer(ServerProcess):
             env["LD_PRELOAD"] = f"{tcmalloc}:{preload}" if preload else tcmalloc
         super().__init__(argv, port, env=env, timeout=timeout, log_prefix="vllm-serve")
         self.dtype = dtype
+
+
+@contextmanager
+def service_stack(num_schedulers: int, threads: int, kv_tokens: int, flags: list[str],
+                  timeout: float = 300) -> Iterator[str]:
+    """NATS, one gateway, tokenizer and detokenizer, and `num_schedulers` schedulers that split
+    `threads` torch threads and a `kv_tokens` KV pool evenly, each `python -m services.NAME`
+    with `flags`; yields the gateway's URL once it sees every scheduler."""
+    nats = NatsServer().start()
+    port = free_port()
+    common = ["--nats-url", nats.url, "--port", str(port), *flags]
+    sched_flags = ["--num-threads", str(max(1, threads // num_schedulers)),
+                   "--max-total-tokens", str(kv_tokens // num_schedulers)]
+    logdir = Path(tempfile.mkdtemp(prefix="tokenline-stack-"))
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    procs: list[tuple[subprocess.Popen, Path]] = []
+    try:
+        names = ["gateway", "tokenizer", "detokenizer"] + ["scheduler"] * num_schedulers
+        for i, name in enumerate(names):
+            log_path = logdir / f"{name}-{i}.log"
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", f"services.{name}", *common,
+                     *(sched_flags if name == "scheduler" else [])],
+                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+            procs.append((proc, log_path))
+        url = f"http://127.0.0.1:{port}"
+        _wait_schedulers(url, num_schedulers, timeout, procs)
+        yield url
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, _ in procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        nats.stop()
+
+
+def _wait_schedulers(url: str, n: int, timeout: float,
+                     procs: list[tuple[subprocess.Popen, Path]]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for proc, log_path in procs:
+            if proc.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{_name(proc)} exited with {proc.returncode}:\n{tail}")
+        try:
+            with urllib.request.urlopen(url + "/get_server_info", timeout=2) as r:
+                if len(json.loads(r.read()).get("schedulers", [])) >= n:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{n} schedulers not up at {url} after {timeout}s")
+
+
+def add_stack_args(p: argparse.ArgumentParser) -> None:
+    """The machine the configurations of `compare_stacks` share, rounds, where results go."""
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    p.add_argument("--kv-tokens", type=int, default=32768, help="KV pool, all schedulers")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--result-json")
+    p.add_argument("--server-flag", action="append", default=[],
+                   help="one more flag for every service (repeat)")
+
+
+# a configuration: its label, how many schedulers, its own flags for every service
+StackConfig = tuple[str, int, list[str]]
+
+
+def compare_stacks(args: argparse.Namespace, configs: list[StackConfig], requests: list,
+                   warmup: list, row: Callable[[str, int, dict[str, Any]], dict[str, Any]]
+                   ) -> list[dict[str, Any]]:
+    """`requests` through a fresh `service_stack` per configuration and round, after `warmup`
+    (first forwards: allocation, kernels). Every other round runs the configurations in reverse,
+    so a drift in the machine's background load hits all of them. `row(label, round, result)`
+    makes (and prints) each result's row; the rows go to `args.result_json` too."""
+
+    async def measure(url: str) -> dict[str, Any]:
+        await run_benchmark(url, warmup, ignore_eos=True)
+        return await run_benchmark(url, requests, ignore_eos=True)
+
+    rows = []
+    for rnd in range(args.rounds):
+        for label, n, flags in configs if rnd % 2 == 0 else configs[::-1]:
+            with service_stack(n, args.threads, args.kv_tokens,
+                               [*flags, *args.server_flag]) as url:
+                result = asyncio.run(measure(url))
+            rows.append(row(label, rnd, result))
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps(rows, indent=2))
+    return rows
