@@ -66,58 +66,52 @@ inline void store_rows(__m512 (&acc)[R][chains<R>()], float* out, int64_t ldo, i
   }
 }
 
-// R rows of x against one int8 tile: out[r, 0..valid) for the tile's 16 channels.
-template <int R, typename S>
-void int8_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
-               float* out, int64_t ldo, int valid) {
+// How a tile's codes are read: one 16-byte row of a tile holds PER_ROW consecutive k of its
+// 16 channels (int8: one k; int4: k = 2j in the low nibbles, 2j + 1 in the high ones), as
+// float32 vectors of codes.
+struct Int8Codes {
+  static constexpr int PER_ROW = 1;
+  static void read(const uint8_t* row, __m512 (&c)[PER_ROW]) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
+    c[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw));
+  }
+};
+
+struct Int4Codes {
+  static constexpr int PER_ROW = 2;
+  static void read(const uint8_t* row, __m512 (&c)[PER_ROW]) {
+    const __m512i v = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+    c[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    c[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  }
+};
+
+// R rows of x against one tile of codes C: out[r, 0..valid) for the tile's 16 channels.
+template <typename C, int R, typename S>
+void quant_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
+                float* out, int64_t ldo, int valid) {
   constexpr int U = chains<R>();
+  constexpr int P = C::PER_ROW;
   __m512 acc[R][U];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const __m512 s = load16(sm + g * 2 * LANES);
     const __m512 m = load16(sm + g * 2 * LANES + LANES);
-    const uint8_t* qg = q + g * GROUP * LANES;
+    const uint8_t* qg = q + g * (GROUP / P) * LANES;
     const float* xg = x + g * GROUP * R;
 #pragma GCC unroll 32
-    for (int k = 0; k < GROUP; ++k) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + k * LANES));
-      const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw)), s, m);
+    for (int j = 0; j < GROUP / P; ++j) {
+      __m512 c[P];
+      C::read(qg + j * LANES, c);
+#pragma GCC unroll 2
+      for (int i = 0; i < P; ++i) {
+        const int k = j * P + i;
+        const __m512 w = _mm512_fmadd_ps(c[i], s, m);
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r)
-        acc[r][k % U] = _mm512_fmadd_ps(w, _mm512_set1_ps(xg[k * R + r]), acc[r][k % U]);
-    }
-  }
-  store_rows<R>(acc, out, ldo, valid);
-}
-
-// R rows of x against one int4 tile.
-template <int R, typename S>
-void int4_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
-               float* out, int64_t ldo, int valid) {
-  constexpr int U = chains<R>();
-  __m512 acc[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi32(15);
-  for (int64_t g = 0; g < G; ++g) {
-    const __m512 s = load16(sm + g * 2 * LANES);
-    const __m512 m = load16(sm + g * 2 * LANES + LANES);
-    const uint8_t* qg = q + g * (GROUP / 2) * LANES;
-    const float* xg = x + g * GROUP * R;
-#pragma GCC unroll 16
-    for (int j = 0; j < GROUP / 2; ++j) {
-      const __m512i v = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + j * LANES)));
-      const __m512 w0 = _mm512_fmadd_ps(
-          _mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s, m);
-      const __m512 w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, m);
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const float* xr = xg + 2 * j * R + r;
-        acc[r][(2 * j) % U] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xr[0]), acc[r][(2 * j) % U]);
-        acc[r][(2 * j + 1) % U] =
-            _mm512_fmadd_ps(w1, _mm512_set1_ps(xr[R]), acc[r][(2 * j + 1) % U]);
+        for (int r = 0; r < R; ++r)
+          acc[r][k % U] = _mm512_fmadd_ps(w, _mm512_set1_ps(xg[k * R + r]), acc[r][k % U]);
       }
     }
   }
@@ -129,32 +123,17 @@ void int4_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
 // the inner loop, and two tiles share each activation (float_tile2). The sums run in the same
 // order as in the register path. Measured at batch 64 (1 thread): 5-12% faster than the
 // register path, 0-9% slower than oneDNN float32 on SmolLM2's projections.
-template <typename S>
-void int8_dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
+template <typename C, typename S>
+void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
+  constexpr int P = C::PER_ROW;
   for (int64_t g = 0; g < G; ++g) {
     const __m512 s = load16(sm + g * 2 * LANES);
     const __m512 m = load16(sm + g * 2 * LANES + LANES);
-    for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) {
-      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + k * LANES));
-      _mm512_storeu_ps(w + k * LANES,
-                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw)), s, m));
-    }
-  }
-}
-
-template <typename S>
-void int4_dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
-  const __m512i low4 = _mm512_set1_epi32(15);
-  for (int64_t g = 0; g < G; ++g) {
-    const __m512 s = load16(sm + g * 2 * LANES);
-    const __m512 m = load16(sm + g * 2 * LANES + LANES);
-    for (int64_t j = g * GROUP / 2; j < (g + 1) * GROUP / 2; ++j) {
-      const __m512i v = _mm512_cvtepu8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + j * LANES)));
-      _mm512_storeu_ps(w + 2 * j * LANES,
-                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), s, m));
-      _mm512_storeu_ps(w + (2 * j + 1) * LANES,
-                       _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), s, m));
+    for (int64_t j = g * GROUP / P; j < (g + 1) * GROUP / P; ++j) {
+      __m512 c[P];
+      C::read(q + j * LANES, c);
+      for (int i = 0; i < P; ++i)
+        _mm512_storeu_ps(w + (j * P + i) * LANES, _mm512_fmadd_ps(c[i], s, m));
     }
   }
 }
@@ -211,34 +190,23 @@ void float_tile2(const float* x, const float* w0, const float* w1, int64_t Kp, f
 inline float to_float(float v) { return v; }
 inline float to_float(at::Half v) { return static_cast<float>(v); }
 
-template <int R, typename S>
-void int8_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
-               float* out, int64_t ldo, int valid) {
-  float acc[R][LANES] = {};
-  for (int64_t g = 0; g < G; ++g) {
-    float s[LANES], m[LANES];
-    for (int c = 0; c < LANES; ++c) {
-      s[c] = to_float(sm[g * 2 * LANES + c]);
-      m[c] = to_float(sm[g * 2 * LANES + LANES + c]);
-    }
-    const uint8_t* qg = q + g * GROUP * LANES;
-    for (int k = 0; k < GROUP; ++k) {
-      float w[LANES];
-      for (int c = 0; c < LANES; ++c)
-        w[c] = std::fma(static_cast<float>(qg[k * LANES + c]), s[c], m[c]);
-      for (int r = 0; r < R; ++r) {
-        const float xv = x[(g * GROUP + k) * R + r];
-        for (int c = 0; c < LANES; ++c) acc[r][c] += w[c] * xv;
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < valid; ++c) out[r * ldo + c] = acc[r][c];
-}
+struct Int8Codes {
+  static constexpr int PER_ROW = 1;
+  static void read(const uint8_t* row, int c, float (&v)[PER_ROW]) { v[0] = row[c]; }
+};
 
-template <int R, typename S>
-void int4_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
-               float* out, int64_t ldo, int valid) {
+struct Int4Codes {
+  static constexpr int PER_ROW = 2;
+  static void read(const uint8_t* row, int c, float (&v)[PER_ROW]) {
+    v[0] = row[c] & 15;
+    v[1] = row[c] >> 4;
+  }
+};
+
+template <typename C, int R, typename S>
+void quant_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
+                float* out, int64_t ldo, int valid) {
+  constexpr int P = C::PER_ROW;
   float acc[R][LANES] = {};
   for (int64_t g = 0; g < G; ++g) {
     float s[LANES], m[LANES];
@@ -246,46 +214,38 @@ void int4_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
       s[c] = to_float(sm[g * 2 * LANES + c]);
       m[c] = to_float(sm[g * 2 * LANES + LANES + c]);
     }
-    const uint8_t* qg = q + g * (GROUP / 2) * LANES;
-    for (int j = 0; j < GROUP / 2; ++j) {
-      float w0[LANES], w1[LANES];
+    const uint8_t* qg = q + g * (GROUP / P) * LANES;
+    for (int j = 0; j < GROUP / P; ++j) {
+      float w[P][LANES];
       for (int c = 0; c < LANES; ++c) {
-        const uint8_t b = qg[j * LANES + c];
-        w0[c] = std::fma(static_cast<float>(b & 15), s[c], m[c]);
-        w1[c] = std::fma(static_cast<float>(b >> 4), s[c], m[c]);
+        float v[P];
+        C::read(qg + j * LANES, c, v);
+        for (int i = 0; i < P; ++i) w[i][c] = std::fma(v[i], s[c], m[c]);
       }
-      for (int r = 0; r < R; ++r) {
-        const float x0 = x[(g * GROUP + 2 * j) * R + r];
-        const float x1 = x[(g * GROUP + 2 * j + 1) * R + r];
-        for (int c = 0; c < LANES; ++c) acc[r][c] += w0[c] * x0 + w1[c] * x1;
-      }
+      for (int i = 0; i < P; ++i)
+        for (int r = 0; r < R; ++r) {
+          const float xv = x[(g * GROUP + j * P + i) * R + r];
+          for (int c = 0; c < LANES; ++c) acc[r][c] += w[i][c] * xv;
+        }
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < valid; ++c) out[r * ldo + c] = acc[r][c];
 }
 
-template <typename S>
-void int8_dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
-  for (int64_t k = 0; k < G * GROUP; ++k)
+template <typename C, typename S>
+void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
+  constexpr int P = C::PER_ROW;
+  for (int64_t j = 0; j < G * GROUP / P; ++j) {
+    const int64_t g = j * P / GROUP;
     for (int c = 0; c < LANES; ++c) {
-      const int64_t g = k / GROUP;
-      w[k * LANES + c] = std::fma(static_cast<float>(q[k * LANES + c]),
-                                  to_float(sm[g * 2 * LANES + c]),
-                                  to_float(sm[g * 2 * LANES + LANES + c]));
+      float v[P];
+      C::read(q + j * LANES, c, v);
+      for (int i = 0; i < P; ++i)
+        w[(j * P + i) * LANES + c] = std::fma(v[i], to_float(sm[g * 2 * LANES + c]),
+                                              to_float(sm[g * 2 * LANES + LANES + c]));
     }
-}
-
-template <typename S>
-void int4_dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
-  for (int64_t j = 0; j < G * GROUP / 2; ++j)
-    for (int c = 0; c < LANES; ++c) {
-      const int64_t g = 2 * j / GROUP;
-      const float s = to_float(sm[g * 2 * LANES + c]), m = to_float(sm[g * 2 * LANES + LANES + c]);
-      const uint8_t b = q[j * LANES + c];
-      w[2 * j * LANES + c] = std::fma(static_cast<float>(b & 15), s, m);
-      w[(2 * j + 1) * LANES + c] = std::fma(static_cast<float>(b >> 4), s, m);
-    }
+  }
 }
 
 template <int R>
@@ -308,53 +268,23 @@ void float_tile2(const float* x, const float* w0, const float* w1, int64_t Kp, f
 
 #endif
 
-struct Int8 {
-  template <int R, typename S>
-  static void tile(const float* x, const uint8_t* q, const S* sm, int64_t G, float* out,
-                   int64_t ldo, int valid) {
-    int8_tile<R, S>(x, q, sm, G, out, ldo, valid);
-  }
-  template <typename S>
-  static void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
-    int8_dequant<S>(q, sm, G, w);
-  }
-};
-
-struct Int4 {
-  template <int R, typename S>
-  static void tile(const float* x, const uint8_t* q, const S* sm, int64_t G, float* out,
-                   int64_t ldo, int valid) {
-    int4_tile<R, S>(x, q, sm, G, out, ldo, valid);
-  }
-  template <typename S>
-  static void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
-    int4_dequant<S>(q, sm, G, w);
-  }
-};
-
 // Batch rows are taken in blocks of 8, then whatever is left (1-7): two tiles x 8 rows is 16
 // accumulators, which with the two weight vectors and a broadcast stays in registers (two
 // tiles x 12 rows spilled here, and measured slower than 8).
 inline int64_t block_rows(int64_t left) { return left >= 8 ? 8 : left; }
 
-template <typename K, typename S, int R>
-inline void tile_rows(const float* x, const uint8_t* q, const S* s, int64_t G, float* out,
-                      int64_t ldo, int valid) {
-  K::template tile<R, S>(x, q, s, G, out, ldo, valid);
-}
-
-template <typename K, typename S>
+template <typename C, typename S>
 void tile_block(int64_t R, const float* x, const uint8_t* q, const S* s, int64_t G, float* out,
                 int64_t ldo, int valid) {
   switch (R) {
-    case 8: return tile_rows<K, S, 8>(x, q, s, G, out, ldo, valid);
-    case 7: return tile_rows<K, S, 7>(x, q, s, G, out, ldo, valid);
-    case 6: return tile_rows<K, S, 6>(x, q, s, G, out, ldo, valid);
-    case 5: return tile_rows<K, S, 5>(x, q, s, G, out, ldo, valid);
-    case 4: return tile_rows<K, S, 4>(x, q, s, G, out, ldo, valid);
-    case 3: return tile_rows<K, S, 3>(x, q, s, G, out, ldo, valid);
-    case 2: return tile_rows<K, S, 2>(x, q, s, G, out, ldo, valid);
-    default: return tile_rows<K, S, 1>(x, q, s, G, out, ldo, valid);
+    case 8: return quant_tile<C, 8, S>(x, q, s, G, out, ldo, valid);
+    case 7: return quant_tile<C, 7, S>(x, q, s, G, out, ldo, valid);
+    case 6: return quant_tile<C, 6, S>(x, q, s, G, out, ldo, valid);
+    case 5: return quant_tile<C, 5, S>(x, q, s, G, out, ldo, valid);
+    case 4: return quant_tile<C, 4, S>(x, q, s, G, out, ldo, valid);
+    case 3: return quant_tile<C, 3, S>(x, q, s, G, out, ldo, valid);
+    case 2: return quant_tile<C, 2, S>(x, q, s, G, out, ldo, valid);
+    default: return quant_tile<C, 1, S>(x, q, s, G, out, ldo, valid);
   }
 }
 
@@ -376,7 +306,7 @@ void float_block(int64_t R, const float* x, const float* w0, const float* w1, in
 // a chunk's activations are read from cache for every tile. A chunk is first copied into
 // blocks of R rows interleaved per k ([Kp][R]): a tile then reads the R values of one k from
 // one place (one pointer, constant offsets) instead of from R rows.
-template <typename K, typename S>
+template <typename C, typename S>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                   int64_t N, int64_t q_per_tile) {
   const int64_t M = x.size(0), Kp = x.size(1), G = Kp / GROUP, T = q.size(0);
@@ -407,7 +337,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
           const bool two = t + 1 < end;
           const int valid = static_cast<int>(std::min(LANES, N - (t + two) * LANES));
           for (int64_t i = 0; i <= two; ++i)
-            K::template dequant<S>(qp + (t + i) * q_per_tile, sp + (t + i) * s_per_tile, G,
+            dequant<C, S>(qp + (t + i) * q_per_tile, sp + (t + i) * s_per_tile, G,
                                    wbuf.data() + i * Kp * LANES);
           const float* xb = xs;
           for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0)) {
@@ -424,7 +354,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
         const float* xb = xs;
         for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0)) {
           const int64_t R = block_rows(rows - r0);
-          tile_block<K, S>(R, xb, qp + t * q_per_tile, sp + t * s_per_tile, G,
+          tile_block<C, S>(R, xb, qp + t * q_per_tile, sp + t * s_per_tile, G,
                            op + (m0 + r0) * N + t * LANES, N, valid);
           xb += R * Kp;
         }
@@ -451,25 +381,25 @@ void check(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& 
               "scales must be float16 or float32");
 }
 
-template <typename K>
+template <typename C>
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q,
                      const torch::Tensor& scale_min, int64_t N, int64_t k_per_byte) {
   check(x, q, scale_min, N, k_per_byte);
   TORCH_CHECK(q.scalar_type() == torch::kByte, "weight codes must be uint8");
   const int64_t q_per_tile = x.size(1) / k_per_byte * LANES;
   if (scale_min.scalar_type() == torch::kHalf)
-    return run<K, at::Half>(x, q, scale_min, N, q_per_tile);
-  return run<K, float>(x, q, scale_min, N, q_per_tile);
+    return run<C, at::Half>(x, q, scale_min, N, q_per_tile);
+  return run<C, float>(x, q, scale_min, N, q_per_tile);
 }
 
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scale_min, int64_t N) {
-  return linear<Int8>(x, q, scale_min, N, 1);
+  return linear<Int8Codes>(x, q, scale_min, N, 1);
 }
 
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
                           const torch::Tensor& scale_min, int64_t N) {
-  return linear<Int4>(x, q, scale_min, N, 2);
+  return linear<Int4Codes>(x, q, scale_min, N, 2);
 }
 
 bool vectorized() {
