@@ -37,6 +37,7 @@ On CUDA the quantized weights are dequantized once at load to the model dtype (s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -321,16 +322,14 @@ def _f16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1).float()
 
 
-def _q4_0(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Blocks [N, nb, 18]: d f16, 16 bytes of nibbles (low: values 0-15, high: 16-31)."""
-    d, qs = _f16(b[..., 0:2]), b[..., 2:18]
-    return torch.cat([qs & 15, qs >> 4], dim=-1), d, -8 * d
-
-
-def _q4_1(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Blocks [N, nb, 20]: d f16, m f16, 16 bytes of nibbles."""
-    qs = b[..., 4:20]
-    return torch.cat([qs & 15, qs >> 4], dim=-1), _f16(b[..., 0:2]), _f16(b[..., 2:4])
+def _q4_block(b: torch.Tensor, has_min: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                       torch.Tensor]:
+    """Blocks [N, nb, 18 | 20] of Q4_0 (d f16) or Q4_1 (d f16, m f16), then 16 bytes of
+    nibbles (low: values 0-15, high: 16-31). Q4_0 is d * (c - 8): minimum -8 d."""
+    d = _f16(b[..., 0:2])
+    qs = b[..., 4:20] if has_min else b[..., 2:18]
+    minimum = _f16(b[..., 2:4]) if has_min else -8 * d
+    return torch.cat([qs & 15, qs >> 4], dim=-1), d, minimum
 
 
 def _q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -348,7 +347,9 @@ def _q4_k(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 # GGUF type -> (values per block, bytes per block, decoder to codes, scale, minimum)
-_INT4_TYPES = {"Q4_0": (32, 18, _q4_0), "Q4_1": (32, 20, _q4_1), "Q4_K": (256, 144, _q4_k)}
+_INT4_TYPES = {"Q4_0": (32, 18, partial(_q4_block, has_min=False)),
+               "Q4_1": (32, 20, partial(_q4_block, has_min=True)),
+               "Q4_K": (256, 144, _q4_k)}
 _INT8_TYPES = ("Q8_0",)
 
 
