@@ -44,6 +44,10 @@ def _count_fast_paths() -> None:
     TorchBackend._decode = count(
         lambda self, *_: "C++ decode kernel" if self.use_native else "torch decode (the fallback)",
         TorchBackend._decode)
+    TorchBackend._prefill = count(
+        lambda self, *_: ("C++ prefill kernel" if self.use_native_prefill
+                          else "torch prefill (the fallback)"),
+        TorchBackend._prefill)
     layers.onednn_linear = count(
         lambda x, packed, *_: f"oneDNN {str(packed.dtype).removeprefix('torch.')} linears",
         layers.onednn_linear)

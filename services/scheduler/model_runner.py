@@ -13,7 +13,12 @@ from common import malloc
 from common.logging import get_logger
 from services.scheduler import quant
 from services.scheduler.attention.base import AttentionMetadata, get_backend
-from services.scheduler.attention.torch_backend import TorchBackend, cpu_kernels, native_kernels
+from services.scheduler.attention.torch_backend import (
+    TorchBackend,
+    cpu_kernels,
+    native_kernels,
+    prefill_kernels,
+)
 from services.scheduler.models import model_class
 from services.scheduler.request import Request
 
@@ -134,6 +139,7 @@ class ModelRunner:
         self.head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         self.vocab_size = c["vocab_size"]
         self.attention_kernel = self._pick_attention_kernel(c["num_attention_heads"])
+        self.prefill_kernel = self._pick_prefill_kernel(c["num_attention_heads"])
         # what stays of the plain weights (on CPU the projections' were swapped for oneDNN
         # copies), and those copies
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -156,7 +162,7 @@ class ModelRunner:
                  f"tokens, {self.kv_bytes / GiB:.2f} GiB", device=str(self.device),
                  dtype=str(self.dtype), linear_dtype=str(self.linear_dtype),
                  backend=self.backend.name, linear=self.linear_backend,
-                 decode_attention=self.attention_kernel)
+                 decode_attention=self.attention_kernel, prefill_attention=self.prefill_kernel)
 
     def _quantize(self, mode: str, gguf_path: Path | None) -> quant.QuantSummary | None:
         """Quantize the loaded model's weights (`mode` int8 or int4), reading a GGUF's own int4
@@ -186,6 +192,22 @@ class ModelRunner:
             log.info(f"the C++ decode kernel has no head_dim {self.head_dim} x group {group}: "
                      "decode attention runs in torch (SDPA)", architecture=self.architecture)
         return "native" if self.backend.use_native else "sdpa"
+
+    def _pick_prefill_kernel(self, num_heads: int) -> str:
+        """On CPU in float32 or bfloat16, prefill and extend chunks go through the C++ kernel
+        when it builds for this shape (SDPA otherwise)."""
+        if not isinstance(self.backend, TorchBackend) or self.device.type != "cpu" or (
+            self.dtype not in (torch.float32, torch.bfloat16)
+        ):
+            return self.backend.name
+        kernels = prefill_kernels().module
+        group = num_heads // self.num_kv_heads
+        self.backend.use_native_prefill = kernels is not None and kernels.supports(
+            self.head_dim, group)
+        if kernels is not None and not self.backend.use_native_prefill:
+            log.info(f"the C++ prefill kernel has no head_dim {self.head_dim} x group {group}: "
+                     "prefill attention runs in torch (SDPA)", architecture=self.architecture)
+        return "native" if self.backend.use_native_prefill else "sdpa"
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -238,6 +260,7 @@ class ModelRunner:
             "quantization": self.quantization.as_dict() if self.quantization else {"mode": "none"},
             "weight_bytes": self.weight_bytes + self.packed_bytes,
             "decode_attention": self.attention_kernel,
+            "prefill_attention": self.prefill_kernel,
         }
 
     @torch.inference_mode()

@@ -1,5 +1,6 @@
-"""Sliding-window attention on every backend (torch, the C++ decode kernel, Triton under the
-interpreter) equals a plain per-token reference: each query sees its last W positions only."""
+"""Sliding-window attention on every backend (torch, the C++ decode and prefill kernels, Triton
+under the interpreter) equals a plain per-token reference: each query sees its last W positions
+only."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from services.scheduler.attention.torch_backend import TorchBackend, native_kernels
+from services.scheduler.attention.torch_backend import TorchBackend, native_kernels, prefill_kernels
 from services.scheduler.attention.triton_backend import TritonBackend
 from tests.unit.test_triton_attention import DEVICES, TOLERANCE, make_step
 
@@ -36,7 +37,7 @@ def reference(step, scale: float, window: int) -> torch.Tensor:
 
 BACKENDS = {
     "torch": lambda: TorchBackend(),
-    "native": lambda: TorchBackend(use_native=True),
+    "native": lambda: TorchBackend(use_native=True, use_native_prefill=True),
     "triton": lambda: TritonBackend(min_split_tokens=16, decode_block_n=16, extend_block_m=16,
                                     extend_block_n=16),
 }
@@ -51,8 +52,9 @@ SPANS = {
 @pytest.mark.parametrize("kind", list(SPANS))
 @pytest.mark.parametrize("window", [1, 17, 64])
 def test_sliding_window_matches_reference(backend, kind, window):
-    if backend == "native" and native_kernels().missing:  # a failed build raises instead
-        pytest.skip(f"{native_kernels().missing}: no C++ kernel to test")
+    missing = native_kernels().missing or prefill_kernels().missing  # a failed build raises
+    if backend == "native" and missing:
+        pytest.skip(f"{missing}: no C++ kernel to test")
     step = make_step(SPANS[kind], page_size=8, q_heads=4, kv_heads=2, head_dim=32,
                      device="cpu", seed=window)
     scale = 32**-0.5

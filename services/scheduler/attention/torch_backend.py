@@ -18,9 +18,14 @@ builds), decodes instead go to a small C++ kernel (paged_decode_cpu.cpp) that re
 row once, straight from the block table: about 3x less memory traffic than gather + SDPA. Without
 it, and as the reference, everything here is plain torch.
 
-In bfloat16 (q, k, v and the cache), prefill and extend chunks run torch's SDPA in bfloat16 as
-they come: on CPU that is its flash kernel, which multiplies in bf16 and sums, and takes the
-softmax, in float32 (docs/benchmarks.md compares it with float32 SDPA on a 2,048-token chunk).
+With `use_native_prefill` (set the same way), the requests with several new tokens (a fresh
+prompt, a chunk of a long one, the tokens after a cached prefix) go to paged_prefill_cpu.cpp in
+one call per layer: flash-style tiles over the paged cache, the prefix read through the block
+table rather than gathered, the tiles the causal mask hides skipped; 3-5x torch's SDPA at
+128-2,048 tokens (docs/benchmarks.md). Without it they run SDPA: a fresh prompt on its own k, v
+(is_causal), an extend over its gathered blocks with a bool mask. In bfloat16 that is torch's
+flash kernel, which multiplies in bf16 and sums, and takes the softmax, in float32; the C++
+kernel does the same with AVX512-BF16 dot products.
 
 A sliding-window layer masks out keys more than `window - 1` positions before each query (the
 C++ kernel starts its walk at the window instead); the cache itself is the same for every layer.
@@ -79,6 +84,7 @@ class _Plan:
     decode_rows: list[int]  # requests with one new token
     decode_tokens: list[int]  # their token index in q
     rows: torch.Tensor  # decode_rows as a tensor (the native kernel's row -> request map)
+    prefill_rows: torch.Tensor  # int64: the requests with more than one new token
     order: torch.Tensor  # positions within decode_rows, sorted by length
     groups: list[_Group]
 
@@ -93,6 +99,8 @@ def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
     lens = meta.seq_lens_cpu
     order = sorted(range(len(rows)), key=lambda i: lens[rows[i]])
     plan = _Plan(starts, rows, [starts[b] for b in rows], torch.tensor(rows, device=device),
+                 torch.tensor([b for b, n in enumerate(meta.query_lens_cpu) if n > 1],
+                              dtype=torch.long, device=device),
                  torch.tensor(order, dtype=torch.long, device=device), [])
     for g in range(0, len(order) if groups else 0, DECODE_GROUP):
         reqs = [rows[i] for i in order[g : g + DECODE_GROUP]]
@@ -137,8 +145,9 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor, page_size: int,
 class TorchBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, use_native: bool = False) -> None:
+    def __init__(self, use_native: bool = False, use_native_prefill: bool = False) -> None:
         self.use_native = use_native  # decodes through the C++ kernel (CPU)
+        self.use_native_prefill = use_native_prefill  # prefills and extends through C++ (CPU)
         self._meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
         # Gathered K and V land here, reused by every group and layer: a fresh buffer per
@@ -171,7 +180,19 @@ class TorchBackend(AttentionBackend):
         if plan.decode_rows:
             tokens = plan.decode_tokens
             out[tokens] = self._decode(q[tokens], k_cache, v_cache, meta, plan, scale, window)
-        for b, n in enumerate(qlens):
+        self._prefill(q, k, v, k_cache, v_cache, meta, plan, scale, window, out)
+        return out
+
+    def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan,
+                 scale: float, window: int | None, out: torch.Tensor) -> None:
+        """The requests with several new tokens, written into their rows of `out`."""
+        if self.use_native_prefill:
+            prefill_kernels().module.paged_prefill(
+                q, k_cache, v_cache, meta.block_tables.int(), meta.seq_lens.int(),
+                meta.query_start_loc.int(), plan.prefill_rows, meta.page_size, scale,
+                window or 0, out)
+            return
+        for b, n in enumerate(meta.query_lens_cpu):
             if n == 1:
                 continue
             s, e = plan.starts[b], plan.starts[b + 1]
@@ -190,7 +211,6 @@ class TorchBackend(AttentionBackend):
             else:
                 o = self._extend(qh, k_cache, v_cache, meta, b, scale, window)
             out[s:e] = o[0].transpose(0, 1)
-        return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan, scale: float,
                 window: int | None):
@@ -237,11 +257,12 @@ class TorchBackend(AttentionBackend):
                                               enable_gqa=True)
 
 
-# -- the native decode kernel -------------------------------------------------------------------
+# -- the native kernels -------------------------------------------------------------------------
 
 
-# the C++ decode kernel (services/scheduler/native.py builds it)
+# the C++ decode and prefill kernels (services/scheduler/native.py builds them)
 DECODE = Extension(Path(__file__).with_name("paged_decode_cpu.cpp"), "the CPU decode kernel")
+PREFILL = Extension(Path(__file__).with_name("paged_prefill_cpu.cpp"), "the CPU prefill kernel")
 
 
 def cpu_kernels():
@@ -252,3 +273,8 @@ def cpu_kernels():
 def native_kernels() -> NativeKernels:
     """The kernel and the reason it is absent, built (or found wanting) once per process."""
     return DECODE.kernels()
+
+
+def prefill_kernels() -> NativeKernels:
+    """The C++ prefill/extend kernel and the reason it is absent, built once per process."""
+    return PREFILL.kernels()

@@ -1,0 +1,159 @@
+"""The C++ CPU prefill/extend kernel against attention computed in float64 from the same cache.
+
+Each step mixes fresh prompts, extends after cached prefixes that end mid-page, chunks of one
+token and more, and decodes; every length is odd somewhere. Tolerances: float32 agrees with the
+float64 answer to 1e-5 (sums in another order); bfloat16 (q and the cache rounded to bf16, the
+reference computed from those rounded values) to 2^-8 of the value plus 5e-3: the output's own
+rounding to bf16 (2^-9 of it) and that of the probabilities before P @ V (2^-9 of each, times
+values of up to ~4 here), which torch's bf16 flash kernel rounds as well; and it is no further
+from the exact answer than torch's bf16 SDPA is.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+from services.scheduler.attention import torch_backend
+from services.scheduler.attention.base import AttentionMetadata
+from services.scheduler.attention.torch_backend import TorchBackend, prefill_kernels
+from tests.unit.test_cpu_decode_kernel import random_step
+
+# (cached tokens, new tokens) per request: fresh prompts (odd lengths, one longer than a tile
+# of keys and of queries), extends after prefixes that end mid-page, a 2-token chunk, decodes
+SPANS = [(0, 37), (13, 90), (0, 1), (50, 5), (0, 181), (33, 16), (100, 2), (7, 1), (0, 3)]
+SHAPES = [(16, 9, 3, 64), (16, 8, 8, 64), (32, 8, 1, 128), (4, 6, 2, 80), (16, 8, 2, 256),
+          (8, 4, 4, 96), (16, 4, 2, 32), (16, 14, 2, 64)]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The built kernel; a skip only where the machine cannot build it at all, naming why."""
+    native = prefill_kernels()
+    if native.missing:
+        pytest.skip(f"{native.missing}: the torch path is all there is")
+    assert native.module is not None, f"the CPU prefill kernel should build here: {native.error}"
+    return native.module
+
+
+def reference(q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+              window: int | None) -> torch.Tensor:
+    """Attention of every new token in float64, from the cache (the step's k, v written)."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    starts, p = meta.query_start_loc.tolist(), meta.page_size
+    group = q.shape[1] // k_cache.shape[1]
+    for b, n in enumerate(meta.query_lens_cpu):
+        total = meta.seq_lens_cpu[b]
+        slots = [int(meta.block_tables[b, i // p]) * p + i % p for i in range(total)]
+        keys = k_cache[slots].double().repeat_interleave(group, 1)  # [total, Hq, D]
+        values = v_cache[slots].double().repeat_interleave(group, 1)
+        scores = torch.einsum("thd,lhd->htl", q[starts[b] : starts[b + 1]].double(), keys)
+        qpos = torch.arange(total - n, total)[:, None]
+        kpos = torch.arange(total)[None, :]
+        seen = (kpos <= qpos) & (kpos > qpos - window if window else True)
+        probs = (scores * scale).masked_fill(~seen, float("-inf")).softmax(-1)
+        out[starts[b] : starts[b + 1]] = torch.einsum("htl,lhd->thd", probs, values)
+    return out
+
+
+def step(page: int, hq: int, hkv: int, d: int, dtype: torch.dtype):
+    q, k, v, k_cache, v_cache, meta = random_step(SPANS, page, hq, hkv, d, seed=hq * d)
+    return (*(t.to(dtype) for t in (q, k, v, k_cache, v_cache)), meta)
+
+
+def native_backend() -> TorchBackend:
+    return TorchBackend(use_native=True, use_native_prefill=True)
+
+
+@pytest.mark.parametrize("page,hq,hkv,d", SHAPES)
+@pytest.mark.parametrize("window", [None, 37])
+def test_float32_prefill_and_extend_match_float64(kernels, page, hq, hkv, d, window):
+    q, k, v, k_cache, v_cache, meta = step(page, hq, hkv, d, torch.float32)
+    got = native_backend().forward(q, k, v, k_cache, v_cache, meta, d**-0.5, window)
+    want = reference(q, k_cache, v_cache, meta, d**-0.5, window)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def check_bf16(backend: TorchBackend, page, hq, hkv, d, window) -> None:
+    q, k, v, k_cache, v_cache, meta = step(page, hq, hkv, d, torch.bfloat16)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    torch_says = TorchBackend().forward(q, k, v, ref_k, ref_v, meta, d**-0.5, window)
+    got = backend.forward(q, k, v, k_cache, v_cache, meta, d**-0.5, window)
+    assert got.dtype == torch.bfloat16
+    exact = reference(q, k_cache, v_cache, meta, d**-0.5, window)
+    torch.testing.assert_close(got.double(), exact, atol=5e-3, rtol=2**-8)
+    assert (got.double() - exact).abs().max() <= (torch_says.double() - exact).abs().max() + 2**-8
+
+
+@pytest.mark.parametrize("page,hq,hkv,d", SHAPES)
+@pytest.mark.parametrize("window", [None, 37])
+def test_bf16_prefill_and_extend_match_float64(kernels, page, hq, hkv, d, window):
+    check_bf16(native_backend(), page, hq, hkv, d, window)
+
+
+def test_only_the_new_tokens_rows_are_written(kernels):
+    """The kernel fills the rows of the requests it is given and leaves the others as they are
+    (TorchBackend puts the decode rows there)."""
+    q, _, _, k_cache, v_cache, meta = step(16, 9, 3, 64, torch.float32)
+    out = torch.full_like(q, 7.0)
+    rows = torch.tensor([1, 4])
+    kernels.paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                          meta.query_start_loc, rows, 16, 0.125, 0, out)
+    starts = meta.query_start_loc.tolist()
+    mine = torch.zeros(q.shape[0], dtype=torch.bool)
+    for b in rows.tolist():
+        mine[starts[b] : starts[b + 1]] = True
+    assert torch.all(out[~mine] == 7.0)
+    want = reference(q, k_cache, v_cache, meta, 0.125, None)
+    torch.testing.assert_close(out[mine].double(), want[mine], atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_kernel_uses_avx512_bf16_where_the_cpu_has_it(kernels):
+    from pathlib import Path
+
+    info = Path("/proc/cpuinfo")
+    flags = next((line for line in info.read_text().splitlines() if line.startswith("flags")),
+                 "").split() if info.exists() else []
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to check against")
+    assert kernels.fast_bf16() == {"avx512_bf16", "avx512bw", "avx512vl"}.issubset(flags)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                    reason="-mno-avx512f (the AVX2 build) is an x86 compiler flag")
+def test_portable_kernel_matches_too(kernels, monkeypatch):
+    """The path an AVX2-only CPU builds (8 lanes, bf16 widened to float32): the same source
+    without AVX-512, its own build."""
+    from services.scheduler import native
+
+    monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS, "-mno-avx512f"])
+    portable = native.Extension(torch_backend.PREFILL.source, "the portable prefill kernel")
+    try:
+        state = portable.kernels()
+    finally:
+        native.EXTENSIONS.remove(portable)
+    assert state.module is not None and not state.module.fast_bf16()
+    monkeypatch.setattr(torch_backend, "prefill_kernels", lambda: state)
+    for page, hq, hkv, d in [(16, 9, 3, 64), (4, 6, 2, 80)]:
+        for window in (None, 37):
+            q, k, v, k_cache, v_cache, meta = step(page, hq, hkv, d, torch.float32)
+            got = native_backend().forward(q, k, v, k_cache, v_cache, meta, d**-0.5, window)
+            want = reference(q, k_cache, v_cache, meta, d**-0.5, window)
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+            check_bf16(native_backend(), page, hq, hkv, d, window)
+
+
+def test_kernel_says_which_shapes_it_has(kernels):
+    assert kernels.supports(64, 3) and kernels.supports(128, 8) and kernels.supports(256, 4)
+    assert not kernels.supports(72, 3) and not kernels.supports(64, 9)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_runner_prefills_through_the_kernel(kernels, smol_path, dtype):
+    from services.scheduler.model_runner import ModelRunner
+
+    runner = ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)
+    assert runner.prefill_kernel == "native" and runner.backend.use_native_prefill
+    assert runner.info()["prefill_attention"] == "native"
