@@ -3,11 +3,12 @@
 //   out[m, n] = sum_k x[m, k] * w[n, k]
 //
 // Weights are stored in tiles of 16 output channels, interleaved per k, so one 16-byte load
-// gives one k of 16 channels: one vector of dequantized weights then feeds every batch row of a
-// block held in registers (up to 8 rows of accumulators). Below 16 rows the weights are
-// dequantized in registers, never in memory (batch 1 reads 1 or 0.5 bytes a weight, plus
-// scales); from 16 rows each tile is dequantized once per 64 rows into a float32 buffer and
-// two tiles at a time run from their buffers, each activation broadcast once for both.
+// gives one k of 16 channels: one vector of codes then feeds every batch row of a block held in
+// registers (up to 8 rows of accumulators). Below 16 rows the weights are never dequantized in
+// memory (batch 1 reads 1 or 0.5 bytes a weight, plus scales); below 4 rows the scale and
+// minimum are applied once per group of 32 rather than per weight (quant_tile). From 16 rows
+// three tiles at a time are dequantized once per 64 rows into float32 buffers and run from
+// there, each broadcast activation feeding the three.
 //
 //   int8  q   [T, Kp, 16] uint8        code of channel 16t + c at k: q[t, k, c]
 //   int4  q   [T, Kp/2, 16] uint8      byte (t, j, c) holds k = 2j (low nibble), 2j + 1 (high)
@@ -18,8 +19,10 @@
 //
 // The dequantized weight is what the reference computes: code * scale + min is one FMA, and
 // with a half scale the product is exact in float32 (8 + 11 bits), so the reference's single
-// rounding when it adds min gives the same number. Only the order of the K-sum differs from a
-// dequantize-then-matmul reference, so the two agree within float32 summation error.
+// rounding when it adds min gives the same number. From 4 rows only the order of the K-sum
+// differs from a dequantize-then-matmul reference; below 4 rows the sum is regrouped as
+// scale * sum(code x) + min * sum(x) per group. Either way the two agree within float32
+// summation error of sum_k |x_k| (|scale code_k| + |min|) (tests/unit/test_quant.py).
 //
 // With AVX512F (the build is -march=native) the tiles run in intrinsics; elsewhere (AVX2-only
 // machines) the same loops in plain C++, which the compiler vectorizes over the 16 lanes.
@@ -41,7 +44,7 @@ namespace {
 constexpr int64_t LANES = 16;   // output channels per tile
 constexpr int64_t GROUP = 32;   // k values per scale
 constexpr int64_t ROW_CHUNK = 64;  // batch rows whose activations stay in cache across tiles
-// from this many rows in a chunk a tile is dequantized once into float32 (see float_tile)
+// from this many rows in a chunk tiles are dequantized once into float32 (see float_tiles)
 constexpr int64_t DEQUANT_ROWS = 16;
 
 #ifdef __AVX512F__
@@ -88,12 +91,19 @@ struct Int4Codes {
 };
 
 // R rows of x against one tile of codes C: out[r, 0..valid) for the tile's 16 channels.
+//
+// Below 4 rows the scale and minimum come out of the k loop: per group,
+//   sum_k w_k x_k = scale * sum_k code_k x_k + minimum * sum_k x_k
+// (xsum [G][R] holds each row's sum_k x_k per group), one FMA per code and row instead of two
+// (the dequantizing one is shared by only R rows); codes are small integers, exact in float32.
+// From 4 rows the dequantizing FMA is a small part and folding per group would cost more.
 template <typename C, int R, typename S>
-void quant_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
+void quant_tile(const float* x, const float* xsum, const uint8_t* q, const S* sm, int64_t G,
                 float* out, int64_t ldo, int valid) {
   constexpr int U = chains<R>();
   constexpr int P = C::PER_ROW;
-  __m512 acc[R][U];
+  constexpr bool FACTORED = R < 4;
+  __m512 acc[R][U], part[R][U];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -101,6 +111,10 @@ void quant_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
     const __m512 m = load16(sm + g * 2 * LANES + LANES);
     const uint8_t* qg = q + g * (GROUP / P) * LANES;
     const float* xg = x + g * GROUP * R;
+    if constexpr (FACTORED)
+      for (int r = 0; r < R; ++r)
+        for (int u = 0; u < U; ++u) part[r][u] = _mm512_setzero_ps();
+    auto& sum = FACTORED ? part : acc;
 #pragma GCC unroll 32
     for (int j = 0; j < GROUP / P; ++j) {
       __m512 c[P];
@@ -108,21 +122,27 @@ void quant_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
 #pragma GCC unroll 2
       for (int i = 0; i < P; ++i) {
         const int k = j * P + i;
-        const __m512 w = _mm512_fmadd_ps(c[i], s, m);
+        const __m512 w = FACTORED ? c[i] : _mm512_fmadd_ps(c[i], s, m);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r)
-          acc[r][k % U] = _mm512_fmadd_ps(w, _mm512_set1_ps(xg[k * R + r]), acc[r][k % U]);
+          sum[r][k % U] = _mm512_fmadd_ps(w, _mm512_set1_ps(xg[k * R + r]), sum[r][k % U]);
       }
     }
+    if constexpr (FACTORED)
+      for (int r = 0; r < R; ++r) {
+        __m512 p = part[r][0];
+        for (int u = 1; u < U; ++u) p = _mm512_add_ps(p, part[r][u]);
+        acc[r][g % U] = _mm512_fmadd_ps(s, p, acc[r][g % U]);
+        acc[r][g % U] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[g * R + r]), acc[r][g % U]);
+      }
   }
   store_rows<R>(acc, out, ldo, valid);
 }
 
 // Large batches: a tile is dequantized once into a float32 buffer w [Kp][16] (the numbers the
 // tiles above compute in registers) and every row block then runs from it: no conversions in
-// the inner loop, and two tiles share each activation (float_tile2). The sums run in the same
-// order as in the register path. Measured at batch 64 (1 thread): 5-12% faster than the
-// register path, 0-9% slower than oneDNN float32 on SmolLM2's projections.
+// the inner loop, and three tiles share each activation (float_tiles). Measured at batch 64
+// (1 thread): 5-12% faster than dequantizing in registers.
 template <typename C, typename S>
 void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
   constexpr int P = C::PER_ROW;
@@ -138,51 +158,31 @@ void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
   }
 }
 
-template <int R>
-void float_tile(const float* x, const float* w, int64_t Kp, float* out, int64_t ldo,
-                int valid) {
+// NT neighbouring tiles from their buffers (w: NT buffers [Kp][16], one after the other)
+// against R rows: each activation, broadcast once into a register, feeds all NT tiles.
+template <int NT, int R>
+void float_tiles(const float* x, const float* w, int64_t Kp, float* out, int64_t ldo,
+                 int valid_last) {
   constexpr int U = chains<R>();
-  __m512 acc[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
+  __m512 acc[NT][R][U];
+  for (int t = 0; t < NT; ++t)
+    for (int r = 0; r < R; ++r)
+      for (int u = 0; u < U; ++u) acc[t][r][u] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < Kp; k0 += 4) {
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      const __m512 wv = _mm512_loadu_ps(w + (k0 + i) * LANES);
+      __m512 wv[NT];
+      for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_ps(w + t * Kp * LANES + (k0 + i) * LANES);
       const float* xk = x + (k0 + i) * R;
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r)
-        acc[r][i % U] = _mm512_fmadd_ps(wv, _mm512_set1_ps(xk[r]), acc[r][i % U]);
-    }
-  }
-  store_rows<R>(acc, out, ldo, valid);
-}
-
-// Two neighbouring tiles from their buffers: each activation, broadcast once into a register,
-// feeds both (half the loads per FMA of one tile at a time).
-template <int R>
-void float_tile2(const float* x, const float* w0, const float* w1, int64_t Kp, float* out,
-                 int64_t ldo, int valid_last) {
-  constexpr int U = chains<R>();
-  __m512 a0[R][U], a1[R][U];
-  for (int r = 0; r < R; ++r)
-    for (int u = 0; u < U; ++u) a0[r][u] = a1[r][u] = _mm512_setzero_ps();
-  for (int64_t k0 = 0; k0 < Kp; k0 += 4) {
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {
-      const __m512 wa = _mm512_loadu_ps(w0 + (k0 + i) * LANES);
-      const __m512 wb = _mm512_loadu_ps(w1 + (k0 + i) * LANES);
-      const float* xk = x + (k0 + i) * R;
-#pragma GCC unroll 8
       for (int r = 0; r < R; ++r) {
         const __m512 b = _mm512_set1_ps(xk[r]);
-        a0[r][i % U] = _mm512_fmadd_ps(wa, b, a0[r][i % U]);
-        a1[r][i % U] = _mm512_fmadd_ps(wb, b, a1[r][i % U]);
+        for (int t = 0; t < NT; ++t) acc[t][r][i % U] = _mm512_fmadd_ps(wv[t], b, acc[t][r][i % U]);
       }
     }
   }
-  store_rows<R>(a0, out, ldo, 16);
-  store_rows<R>(a1, out + LANES, ldo, valid_last);
+  for (int t = 0; t < NT; ++t)
+    store_rows<R>(acc[t], out + t * LANES, ldo, t == NT - 1 ? valid_last : 16);
 }
 
 #else  // portable: the same tiles in plain loops over the 16 lanes
@@ -204,9 +204,10 @@ struct Int4Codes {
 };
 
 template <typename C, int R, typename S>
-void quant_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
+void quant_tile(const float* x, const float* xsum, const uint8_t* q, const S* sm, int64_t G,
                 float* out, int64_t ldo, int valid) {
   constexpr int P = C::PER_ROW;
+  constexpr bool FACTORED = R < 4;
   float acc[R][LANES] = {};
   for (int64_t g = 0; g < G; ++g) {
     float s[LANES], m[LANES];
@@ -214,20 +215,26 @@ void quant_tile(const float* x, const uint8_t* q, const S* sm, int64_t G,
       s[c] = to_float(sm[g * 2 * LANES + c]);
       m[c] = to_float(sm[g * 2 * LANES + LANES + c]);
     }
+    float part[R][LANES] = {};
+    auto& sum = FACTORED ? part : acc;
     const uint8_t* qg = q + g * (GROUP / P) * LANES;
     for (int j = 0; j < GROUP / P; ++j) {
       float w[P][LANES];
       for (int c = 0; c < LANES; ++c) {
         float v[P];
         C::read(qg + j * LANES, c, v);
-        for (int i = 0; i < P; ++i) w[i][c] = std::fma(v[i], s[c], m[c]);
+        for (int i = 0; i < P; ++i) w[i][c] = FACTORED ? v[i] : std::fma(v[i], s[c], m[c]);
       }
       for (int i = 0; i < P; ++i)
         for (int r = 0; r < R; ++r) {
           const float xv = x[(g * GROUP + j * P + i) * R + r];
-          for (int c = 0; c < LANES; ++c) acc[r][c] += w[i][c] * xv;
+          for (int c = 0; c < LANES; ++c) sum[r][c] += w[i][c] * xv;
         }
     }
+    if (FACTORED)
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < LANES; ++c)
+          acc[r][c] += s[c] * part[r][c] + m[c] * xsum[g * R + r];
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < valid; ++c) out[r * ldo + c] = acc[r][c];
@@ -248,64 +255,98 @@ void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
   }
 }
 
-template <int R>
-void float_tile(const float* x, const float* w, int64_t Kp, float* out, int64_t ldo,
-                int valid) {
-  float acc[R][LANES] = {};
-  for (int64_t k = 0; k < Kp; ++k)
+template <int NT, int R>
+void float_tiles(const float* x, const float* w, int64_t Kp, float* out, int64_t ldo,
+                 int valid_last) {
+  for (int t = 0; t < NT; ++t) {
+    float acc[R][LANES] = {};
+    const float* wt = w + t * Kp * LANES;
+    for (int64_t k = 0; k < Kp; ++k)
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < LANES; ++c) acc[r][c] += wt[k * LANES + c] * x[k * R + r];
+    const int valid = t == NT - 1 ? valid_last : LANES;
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < LANES; ++c) acc[r][c] += w[k * LANES + c] * x[k * R + r];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < valid; ++c) out[r * ldo + c] = acc[r][c];
-}
-
-template <int R>
-void float_tile2(const float* x, const float* w0, const float* w1, int64_t Kp, float* out,
-                 int64_t ldo, int valid_last) {
-  float_tile<R>(x, w0, Kp, out, ldo, LANES);
-  float_tile<R>(x, w1, Kp, out + LANES, ldo, valid_last);
+      for (int c = 0; c < valid; ++c) out[r * ldo + t * LANES + c] = acc[r][c];
+  }
 }
 
 #endif
 
-// Batch rows are taken in blocks of 8, then whatever is left (1-7): two tiles x 8 rows is 16
-// accumulators, which with the two weight vectors and a broadcast stays in registers (two
-// tiles x 12 rows spilled here, and measured slower than 8).
-inline int64_t block_rows(int64_t left) { return left >= 8 ? 8 : left; }
-
 template <typename C, typename S>
-void tile_block(int64_t R, const float* x, const uint8_t* q, const S* s, int64_t G, float* out,
-                int64_t ldo, int valid) {
+void tile_block(int64_t R, const float* x, const float* xsum, const uint8_t* q, const S* s,
+                int64_t G, float* out, int64_t ldo, int valid) {
   switch (R) {
-    case 8: return quant_tile<C, 8, S>(x, q, s, G, out, ldo, valid);
-    case 7: return quant_tile<C, 7, S>(x, q, s, G, out, ldo, valid);
-    case 6: return quant_tile<C, 6, S>(x, q, s, G, out, ldo, valid);
-    case 5: return quant_tile<C, 5, S>(x, q, s, G, out, ldo, valid);
-    case 4: return quant_tile<C, 4, S>(x, q, s, G, out, ldo, valid);
-    case 3: return quant_tile<C, 3, S>(x, q, s, G, out, ldo, valid);
-    case 2: return quant_tile<C, 2, S>(x, q, s, G, out, ldo, valid);
-    default: return quant_tile<C, 1, S>(x, q, s, G, out, ldo, valid);
+    case 8: return quant_tile<C, 8, S>(x, xsum, q, s, G, out, ldo, valid);
+    case 7: return quant_tile<C, 7, S>(x, xsum, q, s, G, out, ldo, valid);
+    case 6: return quant_tile<C, 6, S>(x, xsum, q, s, G, out, ldo, valid);
+    case 5: return quant_tile<C, 5, S>(x, xsum, q, s, G, out, ldo, valid);
+    case 4: return quant_tile<C, 4, S>(x, xsum, q, s, G, out, ldo, valid);
+    case 3: return quant_tile<C, 3, S>(x, xsum, q, s, G, out, ldo, valid);
+    case 2: return quant_tile<C, 2, S>(x, xsum, q, s, G, out, ldo, valid);
+    default: return quant_tile<C, 1, S>(x, xsum, q, s, G, out, ldo, valid);
   }
 }
 
-// One or two tiles' buffers (w1 null: one) against R rows.
-void float_block(int64_t R, const float* x, const float* w0, const float* w1, int64_t Kp,
-                 float* out, int64_t ldo, int valid) {
-#define FLOAT_CASE(n)                                                        \
-  case n:                                                                    \
-    if (w1) return float_tile2<n>(x, w0, w1, Kp, out, ldo, valid);           \
-    return float_tile<n>(x, w0, Kp, out, ldo, valid);
+// Three tiles' buffers at a time against blocks of 8 rows (then what is left): 24
+// accumulators, three weight vectors and a broadcast in 32 registers, each broadcast feeding
+// three FMAs. Measured at batch 64 against 2 tiles x 8 rows (the kernel before), 4 x 6 and
+// 2 x 12: 3 x 8 the fastest, by a few per cent (2 x 12 and 4 x 6 slower than 2 x 8).
+constexpr int64_t FLOAT_TILES = 3;
+
+template <int NT>
+void float_rows(int64_t R, const float* x, const float* w, int64_t Kp, float* out, int64_t ldo,
+                int valid) {
   switch (R) {
-    FLOAT_CASE(8) FLOAT_CASE(7) FLOAT_CASE(6) FLOAT_CASE(5) FLOAT_CASE(4)
-    FLOAT_CASE(3) FLOAT_CASE(2) default: FLOAT_CASE(1)
+    case 8: return float_tiles<NT, 8>(x, w, Kp, out, ldo, valid);
+    case 7: return float_tiles<NT, 7>(x, w, Kp, out, ldo, valid);
+    case 6: return float_tiles<NT, 6>(x, w, Kp, out, ldo, valid);
+    case 5: return float_tiles<NT, 5>(x, w, Kp, out, ldo, valid);
+    case 4: return float_tiles<NT, 4>(x, w, Kp, out, ldo, valid);
+    case 3: return float_tiles<NT, 3>(x, w, Kp, out, ldo, valid);
+    case 2: return float_tiles<NT, 2>(x, w, Kp, out, ldo, valid);
+    default: return float_tiles<NT, 1>(x, w, Kp, out, ldo, valid);
   }
-#undef FLOAT_CASE
 }
 
-// Tiles split across threads; each thread walks its tiles once per chunk of 64 batch rows, so
-// a chunk's activations are read from cache for every tile. A chunk is first copied into
-// blocks of R rows interleaved per k ([Kp][R]): a tile then reads the R values of one k from
-// one place (one pointer, constant offsets) instead of from R rows.
+// nt (1 to FLOAT_TILES) tiles' buffers against R rows.
+void float_block(int64_t nt, int64_t R, const float* x, const float* w, int64_t Kp, float* out,
+                 int64_t ldo, int valid) {
+  if (nt == 3) return float_rows<3>(R, x, w, Kp, out, ldo, valid);
+  if (nt == 2) return float_rows<2>(R, x, w, Kp, out, ldo, valid);
+  return float_rows<1>(R, x, w, Kp, out, ldo, valid);
+}
+
+// Batch rows are taken in blocks of 8, then whatever is left (1-7), in both paths.
+inline int64_t block_rows(int64_t left) { return std::min<int64_t>(left, 8); }
+
+// A chunk of rows > 1 rows of x [rows][Kp] into blocks of R rows interleaved per k ([Kp][R]):
+// a tile then reads the R values of one k from one place (one pointer, constant offsets)
+// instead of from R rows. Below DEQUANT_ROWS also each row's sum per group (xsum [G][R] per
+// block, for quant_tile's factored form).
+void pack_rows(const float* x, int64_t rows, int64_t Kp, float* packed, float* xsum) {
+  const int64_t G = Kp / GROUP;
+  at::parallel_for(0, (rows + 7) / 8, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t r0 = b0 * 8; r0 < std::min(rows, b1 * 8); r0 += 8) {
+      const int64_t R = block_rows(rows - r0);
+      const float* src = x + r0 * Kp;
+      float* dst = packed + r0 * Kp;
+      for (int64_t k = 0; k < Kp; ++k)
+        for (int64_t r = 0; r < R; ++r) dst[k * R + r] = src[r * Kp + k];
+      if (rows >= DEQUANT_ROWS) continue;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t r = 0; r < R; ++r) {
+          float sum = 0;
+          for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) sum += src[r * Kp + k];
+          xsum[r0 * G + g * R + r] = sum;
+        }
+    }
+  });
+}
+
+// Batch rows in chunks of 64, each packed once (pack_rows), then the tiles split across
+// threads: each thread walks its tiles once per chunk, so a chunk's activations are read from
+// cache for every tile. Scratch buffers are kept per thread across calls (no allocation, no
+// page faults per call).
 template <typename C, typename S>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                   int64_t N, int64_t q_per_tile) {
@@ -316,51 +357,51 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const S* sp = reinterpret_cast<const S*>(scales.data_ptr());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> packed(M > 1 ? std::min(M, ROW_CHUNK) * Kp : 0);
-    std::vector<float> wbuf(M >= DEQUANT_ROWS ? 2 * Kp * LANES : 0);
-    for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
-      const int64_t rows = std::min(ROW_CHUNK, M - m0);
-      const float* xs = xp + m0 * Kp;
-      if (rows > 1) {
-        float* dst = packed.data();
-        for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0)) {
-          const int64_t R = block_rows(rows - r0);
-          for (int64_t k = 0; k < Kp; ++k)
-            for (int64_t r = 0; r < R; ++r) dst[k * R + r] = xs[(r0 + r) * Kp + k];
-          dst += R * Kp;
-        }
-        xs = packed.data();
+  thread_local std::vector<float> packed, xsum;
+  const int64_t chunk = std::min(M, ROW_CHUNK);
+  if (static_cast<int64_t>(packed.size()) < chunk * Kp) packed.resize(chunk * Kp);
+  if (static_cast<int64_t>(xsum.size()) < chunk * G) xsum.resize(chunk * G);
+  for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
+    const int64_t rows = std::min(ROW_CHUNK, M - m0);
+    const float* xs = xp + m0 * Kp;
+    if (rows > 1) {
+      pack_rows(xs, rows, Kp, packed.data(), xsum.data());
+      xs = packed.data();
+    } else {
+      for (int64_t g = 0; g < G; ++g) {
+        float sum = 0;
+        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) sum += xs[k];
+        xsum[g] = sum;
       }
+    }
+    const float* sums = xsum.data();
+    float* oc = op + m0 * N;
+    at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
       if (rows >= DEQUANT_ROWS) {
-        for (int64_t t = begin; t < end; t += 2) {
-          const bool two = t + 1 < end;
-          const int valid = static_cast<int>(std::min(LANES, N - (t + two) * LANES));
-          for (int64_t i = 0; i <= two; ++i)
+        thread_local std::vector<float> wbuf;
+        if (static_cast<int64_t>(wbuf.size()) < FLOAT_TILES * Kp * LANES)
+          wbuf.resize(FLOAT_TILES * Kp * LANES);
+        for (int64_t t = begin; t < end; t += FLOAT_TILES) {
+          const int64_t nt = std::min(FLOAT_TILES, end - t);
+          const int valid = static_cast<int>(std::min(LANES, N - (t + nt - 1) * LANES));
+          for (int64_t i = 0; i < nt; ++i)
             dequant<C, S>(qp + (t + i) * q_per_tile, sp + (t + i) * s_per_tile, G,
-                                   wbuf.data() + i * Kp * LANES);
-          const float* xb = xs;
-          for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0)) {
-            const int64_t R = block_rows(rows - r0);
-            float_block(R, xb, wbuf.data(), two ? wbuf.data() + Kp * LANES : nullptr, Kp,
-                        op + (m0 + r0) * N + t * LANES, N, valid);
-            xb += R * Kp;
-          }
+                          wbuf.data() + i * Kp * LANES);
+          for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0))
+            float_block(nt, block_rows(rows - r0), xs + r0 * Kp, wbuf.data(), Kp,
+                        oc + r0 * N + t * LANES, N, valid);
         }
-        continue;
+        return;
       }
       for (int64_t t = begin; t < end; ++t) {
         const int valid = static_cast<int>(std::min(LANES, N - t * LANES));
-        const float* xb = xs;
-        for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0)) {
-          const int64_t R = block_rows(rows - r0);
-          tile_block<C, S>(R, xb, qp + t * q_per_tile, sp + t * s_per_tile, G,
-                           op + (m0 + r0) * N + t * LANES, N, valid);
-          xb += R * Kp;
-        }
+        for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0))
+          tile_block<C, S>(block_rows(rows - r0), xs + r0 * Kp, sums + r0 * G,
+                           qp + t * q_per_tile, sp + t * s_per_tile, G, oc + r0 * N + t * LANES,
+                           N, valid);
       }
-    }
-  });
+    });
+  }
   return out;
 }
 
