@@ -1,0 +1,179 @@
+"""`python -m bench.prefill_attention`: the C++ prefill/extend kernel against torch's SDPA.
+
+Two tables, each side measured alternately in one process (the machine may be shared: compare
+the columns of one run):
+
+- attention alone, SmolLM2-135M's heads (9 query heads over 3 KV heads of 64), page 16: one
+  fresh prompt of each --lengths, the burst's prefill step (10 prompts of 90-300 tokens) and two
+  extends (new tokens after a cached prefix). TorchBackend.forward either way: the kernel
+  (paged_prefill_cpu.cpp) or the torch path it replaces (SDPA is_causal on a fresh prompt's
+  own k, v; gather + SDPA with a bool mask for an extend), the cache writes of the step's k, v
+  included on both sides. GFLOP/s count the causal half only;
+- with --steps, whole forward passes of the real SmolLM2 (ModelRunner.forward: a 2,048-token
+  prefill, that burst step with 20 decodes beside it, a 512-token extend after 1,536 cached),
+  and the time spent in the attention backend (cache writes and decodes included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/offline.py
+
+import torch  # noqa: E402
+
+from services.scheduler.attention.base import AttentionMetadata  # noqa: E402
+from services.scheduler.attention.torch_backend import TorchBackend, prefill_kernels  # noqa: E402
+
+HQ, HKV, D, PAGE = 9, 3, 64, 16
+BURST = [90, 120, 150, 180, 200, 220, 250, 270, 300, 248]  # a prefill step of the 64-request burst
+
+
+def _step(spans: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
+    """q, k, v and a cache with the step's k, v written, for requests of (cached, new) tokens
+    whose blocks lie shuffled in the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [-(-(c + n) // PAGE) for c, n in spans]
+    pool = torch.randperm(sum(need), generator=gen).tolist()
+    tables = torch.zeros((len(spans), max(need)), dtype=torch.int32)
+    slots = []
+    for b, (c, n) in enumerate(spans):
+        tables[b, : need[b]] = torch.tensor(pool[sum(need[:b]) : sum(need[: b + 1])])
+        slots += [int(tables[b, p // PAGE]) * PAGE + p % PAGE for p in range(c, c + n)]
+    qlens = [n for _, n in spans]
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, *qlens]).cumsum(0).int(),
+        seq_lens=torch.tensor([c + n for c, n in spans], dtype=torch.int32),
+        block_tables=tables, slot_mapping=torch.tensor(slots), query_lens_cpu=qlens,
+        seq_lens_cpu=[c + n for c, n in spans], page_size=PAGE)
+    tokens, num_slots = sum(qlens), sum(need) * PAGE
+    q, k, v = (torch.randn(tokens, h, D, generator=gen).to(dtype) for h in (HQ, HKV, HKV))
+    k_cache, v_cache = (torch.randn(num_slots, HKV, D, generator=gen).to(dtype) for _ in "kv")
+    k_cache[meta.slot_mapping], v_cache[meta.slot_mapping] = k, v
+    return q, k, v, k_cache, v_cache, meta
+
+
+def _fastest(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def attention_table(lengths: list[int], dtypes: list[torch.dtype], repeats: int) -> list[str]:
+    cases = [(f"prompt {n}", [(0, n)]) for n in lengths] + [
+        ("burst: 10 prompts, 90-300", [(0, n) for n in BURST]),
+        ("extend 256 after 512", [(512, 256)]),
+        ("extend 3 x 100 after 1000", [(1000, 100)] * 3),
+    ]
+    lines = ["| dtype | case | SDPA ms | kernel ms | SDPA GFLOP/s | kernel GFLOP/s | speed-up |",
+             "|---|---|---|---|---|---|---|"]
+    for dtype in dtypes:
+        for name, spans in cases:
+            args = (*_step(spans, dtype), D**-0.5)
+            flops = sum(4 * HQ * D * (n * c + n * (n + 1) / 2) for c, n in spans)
+            times = {}
+            for native in (False, True, False, True):
+                backend = TorchBackend(use_native_prefill=native)
+                best = _fastest(lambda b=backend, a=args: b.forward(*a), repeats)
+                times[native] = min(times.get(native, best), best)
+            sdpa, ours = times[False], times[True]
+            lines.append(f"| {str(dtype).removeprefix('torch.')} | {name} | {sdpa * 1e3:.2f} | "
+                         f"{ours * 1e3:.2f} | {flops / sdpa / 1e9:.0f} | {flops / ours / 1e9:.0f} "
+                         f"| **{sdpa / ours:.2f}x** |")
+    return lines
+
+
+def step_table(dtypes: list[str], rounds: int) -> list[str]:
+    from common.messages import SamplingParams
+    from common.modelstore import prepare_model
+    from services.scheduler.model_runner import ModelRunner
+    from services.scheduler.request import Request
+
+    spent = [0.0]
+    forward = TorchBackend.forward
+
+    def timed(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    lines = ["| dtype | step | SDPA step ms | kernel step ms | SDPA attention ms | "
+             "kernel attention ms |", "|---|---|---|---|---|---|"]
+    TorchBackend.forward = timed
+    try:
+        for dtype in dtypes:
+            runner = ModelRunner(prepare_model(None), device="cpu", dtype=dtype,
+                                 max_total_tokens=8192)
+
+            def requests(contexts: list[int], new: list[int], runner=runner):
+                reqs, block = [], 0
+                for b, (ctx, n) in enumerate(zip(contexts, new, strict=True)):
+                    prompt = [1000 + (7 * i + b) % 30000 for i in range(ctx + n)]
+                    r = Request(f"r{b}", prompt, SamplingParams(temperature=0.0))
+                    r.num_computed = ctx
+                    blocks = -(-(ctx + n) // runner.page_size)
+                    r.block_table = list(range(block, block + blocks))
+                    block += blocks
+                    reqs.append(r)
+                return reqs, new
+
+            steps = {
+                "prefill 2,048": requests([0], [2048]),
+                "burst: 10 prompts + 20 decodes": requests(
+                    [0] * 10 + [150 + 10 * i for i in range(20)], BURST + [1] * 20),
+                "extend 512 after 1,536": requests([1536], [512]),
+            }
+            for name, (reqs, new) in steps.items():
+                seen: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+                for r in range(rounds + 1):
+                    for native in (False, True):
+                        runner.backend.use_native_prefill = native
+                        spent[0] = 0.0
+                        t = time.perf_counter()
+                        runner.forward(reqs, new, [0])
+                        if r:  # the first round warms up
+                            seen[native].append((time.perf_counter() - t, spent[0]))
+                runner.backend.use_native_prefill = True
+                med = {k: [statistics.median(x[i] for x in v) * 1e3 for i in (0, 1)]
+                       for k, v in seen.items()}
+                lines.append(f"| {dtype} | {name} | {med[False][0]:.0f} | {med[True][0]:.0f} | "
+                             f"{med[False][1]:.0f} | {med[True][1]:.0f} |")
+    finally:
+        TorchBackend.forward = forward
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.prefill_attention",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="128,256,512,2048",
+                        help="comma-separated prompt lengths")
+    parser.add_argument("--dtype", default="float32,bfloat16", help="comma-separated")
+    parser.add_argument("--repeats", type=int, default=5, help="calls per side (fastest kept)")
+    parser.add_argument("--steps", action="store_true", help="also whole SmolLM2 steps")
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of --steps")
+    args = parser.parse_args(argv)
+    native = prefill_kernels()
+    if native.module is None:
+        parser.error(f"no C++ prefill kernel here: {native.missing or native.error}")
+    dtypes = args.dtype.split(",")
+    lines = attention_table([int(n) for n in args.lengths.split(",")],
+                            [getattr(torch, d) for d in dtypes], args.repeats)
+    if args.steps:
+        lines += [""] + step_table(dtypes, args.rounds)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
