@@ -1,14 +1,16 @@
 """Who else is out there: the latest heartbeat (`StatsOut`) of every service instance.
 
 The gateway reads it for /health, /metrics and failover, the scheduler to pick a live
-detokenizer; both watch it for instances whose heartbeats stopped.
+detokenizer; both watch it for instances whose heartbeats stopped. The tokenizer's router keeps
+views of its own (blocks and load per scheduler, dropped when one falls silent) but judges
+silence in the same rounds (`silence_rounds`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from common.logging import get_logger
 from common.messages import StatsOut
@@ -17,6 +19,21 @@ log = get_logger("peers")
 
 # Called once for each instance whose heartbeats stopped; False: it turned out to be alive.
 OnLost = Callable[[str], Awaitable[bool]]
+
+
+async def silence_rounds(heartbeat_timeout: float,
+                         connected: Callable[[], bool]) -> AsyncIterator[None]:
+    """Yields every few hundred ms, when silence says something about a peer: never while cut
+    off from NATS (we hear nobody: that says nothing about them), nor right after this loop
+    itself stalled (heartbeats may be late, not missing)."""
+    tick = min(0.25, heartbeat_timeout / 4)
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(tick)
+        now = time.monotonic()
+        stalled, last = now - last > tick + heartbeat_timeout / 2, now
+        if not stalled and connected():
+            yield
 
 
 class PeerTable:
@@ -57,19 +74,9 @@ class PeerTable:
                 self.seen[key] = now
 
     async def watch(self, service: str, on_lost: OnLost, connected: Callable[[], bool]) -> None:
-        """Call `on_lost(id)` once for each instance of `service` whose heartbeats stopped.
-
-        A round is skipped while cut off from NATS (we hear nobody: that says nothing about
-        them) and after this loop itself stalled (heartbeats may be late, not missing)."""
-        tick = min(0.25, self.heartbeat_timeout / 4)
+        """Call `on_lost(id)` once for each instance of `service` whose heartbeats stopped."""
         lost: set[str] = set()
-        last = time.monotonic()
-        while True:
-            await asyncio.sleep(tick)
-            now = time.monotonic()
-            stalled, last = now - last > tick + self.heartbeat_timeout / 2, now
-            if stalled or not connected():
-                continue
+        async for _ in silence_rounds(self.heartbeat_timeout, connected):
             dead = ({s.instance_id for s in self.known(service)}
                     - {s.instance_id for s in self.alive(service)})
             for instance_id in sorted(dead - lost):

@@ -173,6 +173,14 @@ class Router:
             del self.views[scheduler_id]
         return dead
 
+    def on_connection(self, up: bool, now: float) -> None:
+        """Back on NATS: every scheduler's silence counts from now, not from before the cut
+        (as `PeerTable.on_connection`); views that fell behind meanwhile catch up through
+        the heartbeats' sequence numbers."""
+        if up:
+            for view in self.views.values():
+                view.last_heartbeat = now
+
     def forget(self, scheduler_id: str) -> None:
         """It does not answer on its own subject: gone (a heartbeat brings it back)."""
         self.views.pop(scheduler_id, None)

@@ -7,7 +7,6 @@ subject; if it does not answer, to the queue group, as with `--load-balance-meth
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import nats.errors
@@ -28,6 +27,7 @@ from common.messages import (
     TokenizedReq,
 )
 from common.modelstore import model_info, prepare_model
+from common.peers import silence_rounds
 from common.service import Service
 from common.subjects import TOKENIZER_QUEUE
 from services.tokenizer.router import Router
@@ -58,6 +58,8 @@ class TokenizerService(Service):
             await self.bus.subscribe(self.subjects.kv_events(), self.on_kv_events)
             await self.bus.subscribe(self.subjects.stats_all("scheduler"), self.on_sched_stats)
             self.spawn(self._expire_views())
+            self.bus.on_connection_change.append(
+                lambda up: self.router.on_connection(up, time.monotonic()))
         # unordered: a request whose scheduler died on the way waits seconds for a receipt,
         # and the requests behind it must not wait (unacknowledged: the gateway 503s them)
         await self.bus.subscribe(self.subjects.tokenizer, self.on_request, queue=TOKENIZER_QUEUE,
@@ -99,10 +101,7 @@ class TokenizerService(Service):
             self._ask_snapshot(scheduler_id, "events missed while catching up")
 
     async def _expire_views(self) -> None:
-        while True:
-            await asyncio.sleep(min(0.25, self.args.heartbeat_timeout / 4))
-            if not self.bus.connected:
-                continue  # we hear nobody: that says nothing about them
+        async for _ in silence_rounds(self.args.heartbeat_timeout, lambda: self.bus.connected):
             for scheduler_id in self.router.expire(time.monotonic()):
                 log.info("scheduler dropped from the routing view", scheduler_id=scheduler_id)
 

@@ -135,6 +135,14 @@ def test_silent_schedulers_drop_out_and_one_left_means_the_queue_group():
     assert (route.scheduler_id, route.reason) == (None, "queue_group")
 
 
+def test_silence_during_a_nats_cut_does_not_count():
+    router = two_schedulers()  # last heard at 0.0; the connection was back at 10.0
+    router.on_connection(True, 10.0)
+    assert router.expire(12.0) == []
+    assert router.route(SYSTEM, 12.0).reason != "queue_group"  # both still routable
+    assert router.expire(15.5) == ["a", "b"]  # silent for a timeout since the reconnection
+
+
 def test_fallback_forgets_the_scheduler_that_did_not_answer():
     router = two_schedulers()
     route = router.route(SYSTEM, 0.1)
