@@ -5,19 +5,45 @@ another order, and the rotary's products may fuse into one multiply-add: a few f
 bfloat16: every op computes in float32 and rounds once, so each result is within half a
 bfloat16 ulp of the exact (float64) answer, plus the float32 error before the rounding.
 Sizes: aligned (multiples of the 16-lane AVX-512 loop) and odd ones (the scalar tails).
+Each kernel test runs on the suite's build and on the portable one (AVX-512 switched off: what
+an AVX2-only CI machine builds); rows enough to cross the threads' threshold (kParallelWork)
+run split as well as inline.
 """
 
 from __future__ import annotations
+
+import platform
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from services.scheduler import native
 from services.scheduler.models import layers
 from services.scheduler.models.layers import RMSNorm, Rotary
 
-ops = layers.OPS.module()
-pytestmark = pytest.mark.skipif(ops is None, reason=f"no C++ toolchain: {layers.OPS.kernels()}")
+native_ops = layers.OPS.module()
+pytestmark = pytest.mark.skipif(native_ops is None,
+                                reason=f"no C++ toolchain: {layers.OPS.kernels()}")
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def ops(request):
+    """The suite's build, or the same source built with -mno-avx512f (its own build)."""
+    if request.param == "native":
+        return native_ops
+    if not X86:  # -mno-avx512f is an x86 flag; elsewhere the native build is the portable one
+        pytest.skip(f"{platform.machine()}: no AVX-512 to switch off")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "CFLAGS", [*native.CFLAGS, "-mno-avx512f"])
+        portable = native.Extension(layers.OPS.source, "the portable fused ops")
+        try:
+            module = portable.module()
+        finally:
+            native.EXTENSIONS.remove(portable)
+    assert module is not None and not module.avx512()
+    return module
 
 SIZES = [1, 7, 16, 61, 64, 576, 1000]  # row widths: odd, aligned, SmolLM2's hidden
 ROWS = [1, 7, 64]
@@ -38,7 +64,7 @@ def exact_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n", SIZES)
-def test_add_rms_norm_float32_matches_torch(rows, n):
+def test_add_rms_norm_float32_matches_torch(ops, rows, n):
     torch.manual_seed(n * 100 + rows)
     residual, x, w = torch.randn(rows, n), torch.randn(rows, n), torch.randn(n)
     ref_res = residual + x
@@ -53,7 +79,7 @@ def test_add_rms_norm_float32_matches_torch(rows, n):
 
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", SIZES)
-def test_add_rms_norm_bfloat16_rounds_once(n, weight_dtype):
+def test_add_rms_norm_bfloat16_rounds_once(ops, n, weight_dtype):
     torch.manual_seed(n)
     residual = torch.randn(64, n).bfloat16()
     x = torch.randn(64, n).bfloat16()
@@ -66,7 +92,7 @@ def test_add_rms_norm_bfloat16_rounds_once(n, weight_dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [7, 64, 80, 256])
-def test_rms_norm_over_heads_in_place_and_strided(dtype, n):
+def test_rms_norm_over_heads_in_place_and_strided(ops, dtype, n):
     """q and k norms (Qwen3, Gemma 3): [T, H, D] views inside a wider row, normed in place,
     and nothing outside the view touched."""
     torch.manual_seed(n)
@@ -112,7 +138,7 @@ def rotary_exact(x: torch.Tensor, positions: torch.Tensor, rot: Rotary) -> torch
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [6, 32, 64, 80, 256])
 @pytest.mark.parametrize("tokens", [1, 5, 64])
-def test_rotary_on_q_and_k_in_one_call(dtype, head_dim, tokens):
+def test_rotary_on_q_and_k_in_one_call(ops, dtype, head_dim, tokens):
     """q and k heads inside a qkv row, rotated in place by position; v untouched."""
     torch.manual_seed(head_dim + tokens)
     hq, hkv = 9, 3
@@ -134,7 +160,7 @@ def test_rotary_on_q_and_k_in_one_call(dtype, head_dim, tokens):
         within_bf16_rounding(qk, exact)
 
 
-def test_rotary_refuses_positions_outside_the_table():
+def test_rotary_refuses_positions_outside_the_table(ops):
     rot = Rotary({"rope_type": "default", "rope_theta": 10000.0}, 64, 16)
     x = torch.randn(2, 4, 64)
     with pytest.raises(RuntimeError, match="outside the table"):
@@ -143,17 +169,17 @@ def test_rotary_refuses_positions_outside_the_table():
         ops.rotary_(x, 5, torch.tensor([3, 1]), rot.cos, rot.sin)
 
 
-ACTS = {"silu": (ops.silu_and_mul if ops else None, F.silu),
-        "gelu_pytorch_tanh": (ops.gelu_tanh_and_mul if ops else None,
-                              lambda g: F.gelu(g, approximate="tanh"))}
+ACTS = {"silu": ("silu_and_mul", F.silu),
+        "gelu_pytorch_tanh": ("gelu_tanh_and_mul", lambda g: F.gelu(g, approximate="tanh"))}
 
 
 @pytest.mark.parametrize("activation", list(ACTS))
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("inter", [1, 13, 16, 61, 1536])
-def test_act_and_mul_float32_matches_torch(activation, rows, inter):
+def test_act_and_mul_float32_matches_torch(ops, activation, rows, inter):
     torch.manual_seed(inter + rows)
-    fused, act = ACTS[activation]
+    name, act = ACTS[activation]
+    fused = getattr(ops, name)
     gu = torch.randn(rows, 2 * inter) * 4
     gu[0, :2] = torch.tensor([-200.0, 200.0])[: min(2, inter)] if inter > 1 else -200.0
     gate, up = gu.chunk(2, dim=-1)
@@ -168,15 +194,16 @@ def test_act_and_mul_float32_matches_torch(activation, rows, inter):
 
 @pytest.mark.parametrize("activation", list(ACTS))
 @pytest.mark.parametrize("inter", [13, 64, 1536])
-def test_act_and_mul_bfloat16_rounds_once(activation, inter):
+def test_act_and_mul_bfloat16_rounds_once(ops, activation, inter):
     torch.manual_seed(inter)
-    fused, act = ACTS[activation]
+    name, act = ACTS[activation]
+    fused = getattr(ops, name)
     gu = (torch.randn(7, 2 * inter) * 4).bfloat16()
     gate, up = gu.double().chunk(2, dim=-1)
     within_bf16_rounding(fused(gu), act(gate) * up, slack=1e-5)
 
 
-def test_act_and_mul_reads_strided_rows():
+def test_act_and_mul_reads_strided_rows(ops):
     """An int4 matmul's output is a slice of a wider one: rows with a larger stride."""
     wide = torch.randn(5, 40)
     gu = wide[:, :32]
@@ -184,13 +211,73 @@ def test_act_and_mul_reads_strided_rows():
     assert (ops.silu_and_mul(gu) - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("activation", list(ACTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_act_and_mul_over_the_whole_exp_range(ops, activation, dtype):
+    """Gates from -120 to 120 (exp's argument clamped past +-80: silu and tanh saturated
+    there) against the float64 answer. float32: within 4e-7 relative (measured 3.3e-7, at
+    gates near -52), and gelu, whose 2 - 2 / (exp(2u) + 1) cancels for negative gates, within
+    2^-20 of 0.5 g up there (measured 1e-6 at -2.5: torch's own 1 + tanh(u) cancels too, about
+    ten times less); bf16: rounded once."""
+    name, act = ACTS[activation]
+    gate = torch.linspace(-120, 120, 4801)
+    gu = torch.cat([gate, torch.full_like(gate, 1.5)]).view(1, -1).to(dtype)
+    gate, up = gu.chunk(2, dim=-1)
+    g = gate.double()
+    # the float64 reference as g sigmoid(2u): float64's own 1 + tanh(u) cancels to 0 too
+    exact = (g * torch.sigmoid(1.5957691216057308 * (g + 0.044715 * g**3))
+             if activation == "gelu_pytorch_tanh" else act(g)) * up.double()
+    out = getattr(ops, name)(gu)
+    if dtype == torch.float32:
+        err = (out.double() - exact).abs()
+        bound = 4e-7 * exact.abs() + 1e-30
+        if activation == "gelu_pytorch_tanh":
+            bound += 2.0**-20 * (0.5 * gate * up).double().abs()
+        assert bool((err <= bound).all()), (err - bound).max().item()
+    else:
+        within_bf16_rounding(out, exact)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_split_across_threads_give_the_inline_results(ops, dtype):
+    """Past kParallelWork elements an op splits its rows across threads: bit for bit what the
+    same rows give 64 at a time (small enough to run on the calling thread)."""
+    torch.manual_seed(3)
+    rows = 700  # 700 x 576 = 403k elements, past the 262k threshold; 64-row pieces are not
+    residual, x = torch.randn(rows, 576).to(dtype), torch.randn(rows, 576).to(dtype)
+    w = torch.randn(576).to(dtype)
+    gu = (torch.randn(rows, 2 * 1536) * 3).to(dtype)
+    rot = Rotary({"rope_type": "default", "rope_theta": 10000.0}, 64, 4096)
+    qkv = torch.randn(rows, 15, 64).to(dtype)
+    positions = torch.randint(0, 4096, (rows,))
+    pieces = [slice(i, min(i + 64, rows)) for i in range(0, rows, 64)]
+
+    res_whole, x_whole = residual.clone(), x.clone()
+    norm_whole = ops.add_rms_norm_(res_whole, x_whole, w, 1e-5)
+    res_rows, x_rows = residual.clone(), x.clone()
+    for p in pieces:
+        ops.add_rms_norm_(res_rows[p], x_rows[p], w, 1e-5)
+    assert torch.equal(res_whole, res_rows) and torch.equal(norm_whole, x_rows)
+    assert torch.equal(ops.rms_norm_(x, w, 1e-5, torch.empty_like(x)),
+                       torch.cat([ops.rms_norm_(x[p], w, 1e-5, torch.empty_like(x[p]))
+                                  for p in pieces]))
+    for name, _ in ACTS.values():
+        fn = getattr(ops, name)
+        assert torch.equal(fn(gu), torch.cat([fn(gu[p]) for p in pieces]))
+    whole, by_rows = qkv.clone(), qkv.clone()
+    ops.rotary_(whole, 12, positions, rot.cos, rot.sin)
+    for p in pieces:
+        ops.rotary_(by_rows[p], 12, positions[p], rot.cos, rot.sin)
+    assert torch.equal(whole, by_rows)
+
+
 def test_other_dtypes_are_refused_by_the_kernels_and_run_in_torch():
     x = torch.randn(3, 8, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        ops.silu_and_mul(x)
+        native_ops.silu_and_mul(x)
     assert layers.fused_ops(x) is None  # so the layers take the torch path
     assert layers.fused_ops(x.half()) is None
-    assert layers.fused_ops(x.float()) is ops
+    assert layers.fused_ops(x.float()) is native_ops
 
 
 # -- whole models: the fused path against the torch path it replaced ---------------------------
@@ -276,3 +363,4 @@ def test_fused_decode_step_calls_half_the_torch_ops(tiny_model_dir, monkeypatch)
         counts[torch_path] = sum(_count_ops(prof)[0].values())
     layers_n = runner.num_layers
     assert counts[False] <= counts[True] - 12 * layers_n, counts
+

@@ -12,11 +12,19 @@
 //   silu_and_mul(gu) / gelu_tanh_and_mul(gu)   [T, 2I] -> [T, I]: act(gate) * up
 //
 // Every sum and product runs in float32 whatever the storage dtype; a bfloat16 result is
-// rounded once (to nearest even) when it is stored. Rows are independent, so rows are split
-// across threads with at::parallel_for once there are enough of them to pay for it.
+// rounded once (to nearest even) when it is stored.
+//
+// Threads: rows are independent, but a decode step's ops are small (a 64-row norm is ~5 us of
+// work on one core) and waking the OpenMP workers that the matmul before left asleep costs
+// more than that: 10-100 us with sleeping waiters (OMP_WAIT_POLICY=PASSIVE), more whenever
+// another process holds the other core. Measured in a decode step at batch 64, the fused ops
+// took 75-150 us a call split over two threads and 10-45 us on the calling thread alone. So an
+// op runs on the calling thread below kParallelWork elements and splits its rows only above
+// (a prefill chunk's).
 //
 // AVX-512 (F + BW + VL) where the compiler targets it (-march=native); the scalar loops are
-// the portable path (AVX2 machines vectorize them as they can) and handle every tail.
+// the portable path (written so that AVX2 compilers vectorize them: no branches; exp through
+// libmvec), with the same arithmetic, and handle every tail.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -48,12 +56,11 @@ inline void store(float* p, float x) { *p = x; }
 inline void store(bf16* p, float x) {
   uint32_t bits;
   std::memcpy(&bits, &x, 4);
-  if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN stays a (quiet) NaN
-    *p = static_cast<bf16>((bits >> 16) | 0x40);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);  // round to nearest, ties to even
-  *p = static_cast<bf16>(bits >> 16);
+  // round to nearest, ties to even; a NaN stays a (quiet) NaN. A select, not a branch: the
+  // loops around it vectorize
+  const uint32_t rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const uint32_t nan = (bits >> 16) | 0x40u;
+  *p = static_cast<bf16>((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 #if TL_AVX512
@@ -78,9 +85,19 @@ inline void store16(bf16* p, __m512 v) {
 }
 #endif
 
-// enough rows per thread that a thread's work outweighs waking it (~a few microseconds)
-inline int64_t grain_rows(int64_t row_elems) {
-  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems));
+// Below this many elements an op runs on the calling thread (see the top of the file): a
+// 64-row step's norms, rotary and activation all do; a prefill chunk's split across threads.
+constexpr int64_t kParallelWork = 1 << 18;
+
+// f(begin, end) over rows of row_elems elements each: inline when small, else split
+template <typename F>
+void for_rows(int64_t rows, int64_t row_elems, const F& f) {
+  const int64_t elems = std::max<int64_t>(1, row_elems);
+  if (rows * elems < kParallelWork) {
+    f(0, rows);
+    return;
+  }
+  at::parallel_for(0, rows, std::max<int64_t>(1, kParallelWork / 2 / elems), f);
 }
 
 template <typename T>
@@ -114,7 +131,7 @@ void scale_row(const T* x, const W* w, T* out, int64_t n, float inv) {
 template <typename T, typename W>
 void add_rms_norm_impl(T* residual, T* x, const W* w, int64_t rows, int64_t n, int64_t rs,
                        int64_t xs, float eps) {
-  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+  for_rows(rows, n, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       T* res = residual + r * rs;
       T* xr = x + r * xs;
@@ -134,7 +151,7 @@ void add_rms_norm_impl(T* residual, T* x, const W* w, int64_t rows, int64_t n, i
 template <typename T, typename W>
 void rms_norm_impl(const T* x, const W* w, T* out, int64_t A, int64_t B, int64_t n,
                    int64_t xa, int64_t xb, int64_t oa, int64_t ob, float eps) {
-  at::parallel_for(0, A * B, grain_rows(n), [&](int64_t begin, int64_t end) {
+  for_rows(A * B, n, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const int64_t a = r / B, b = r % B;
       const T* xr = x + a * xa + b * xb;
@@ -168,7 +185,7 @@ template <typename T>
 void rotary_impl(T* x, const int64_t* pos, const float* cos, const float* sin, int64_t tokens,
                  int64_t heads, int64_t D, int64_t st, int64_t sh) {
   const int64_t half = D / 2;
-  at::parallel_for(0, tokens, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
+  for_rows(tokens, heads * D, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cos + pos[t] * half;
       const float* s = sin + pos[t] * half;
@@ -178,7 +195,9 @@ void rotary_impl(T* x, const int64_t* pos, const float* cos, const float* sin, i
 }
 
 // exp's argument is clamped: -ffast-math assumes no infinities, so exp must not overflow
-// (past the clamps both results are already saturated in float32)
+// (past the clamps both results are already saturated in float32). std::exp in these loops
+// vectorizes through glibc's libmvec (16 or 8 lanes a call): the float32 results are what
+// they were before the loops changed, bit for bit.
 struct Silu {
   static float apply(float g) { return g / (1.f + std::exp(std::min(-g, 80.f))); }
 };
@@ -193,7 +212,7 @@ struct GeluTanh {
 
 template <typename Act, typename T>
 void act_and_mul_impl(const T* gu, T* out, int64_t rows, int64_t inter, int64_t gs) {
-  at::parallel_for(0, rows, grain_rows(2 * inter), [&](int64_t begin, int64_t end) {
+  for_rows(rows, 2 * inter, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* g = gu + r * gs;
       const T* u = g + inter;
