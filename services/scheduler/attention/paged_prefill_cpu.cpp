@@ -201,14 +201,15 @@ struct Tile {
       }
       accumulate(nj, alpha);
     }
-    T* out = static_cast<T*>(st.out) + tok0 * st.Hq * D + h * G * D;
+    // normalized in place, then written out token by token (o as floats: [G][D][LANES])
     for (int g = 0; g < G; ++g) {
       const vf inv = 1.f / lsum[g];
-      for (int d = 0; d < D; ++d) {
-        const vf x = o[g * D + d] * inv;
-        for (int l = 0; l < nv; ++l) store(out + l * st.Hq * D + g * D + d, x[l]);
-      }
+      for (int d = 0; d < D; ++d) o[g * D + d] *= inv;
     }
+    const float* of = reinterpret_cast<const float*>(o.data());
+    T* out = static_cast<T*>(st.out) + tok0 * st.Hq * D + h * G * D;
+    for (int l = 0; l < nv; ++l)
+      for (int i = 0; i < G * D; ++i) store(out + l * st.Hq * D + i, of[i * LANES + l]);
   }
 
   // qt[g][d] lane l = query token l's head g, element d (lanes past nv repeat the last token)
@@ -220,9 +221,10 @@ struct Tile {
         for (int i = 0; i < G * D / 2; ++i) words[i * LANES + l] = src[i];
       }
     } else {
+      float* dst = reinterpret_cast<float*>(qt.data());  // [G][D] x LANES floats
       for (int l = 0; l < LANES; ++l) {
         const T* src = q + std::min<int64_t>(l, nv - 1) * stride;
-        for (int i = 0; i < G * D; ++i) qt[i][l] = to_float(src[i]);
+        for (int i = 0; i < G * D; ++i) dst[i * LANES + l] = to_float(src[i]);
       }
     }
   }
