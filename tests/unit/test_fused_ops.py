@@ -364,3 +364,22 @@ def test_fused_decode_step_calls_half_the_torch_ops(tiny_model_dir, monkeypatch)
     layers_n = runner.num_layers
     assert counts[False] <= counts[True] - 12 * layers_n, counts
 
+
+def test_quantized_decode_step_calls_no_torch_op_around_its_matmuls(tiny_model_dir):
+    """--quantization int4 at batch 1: each projection and the lm_head is one call into the
+    C++ kernel, with no reshape or view around it: the one torch op the profile sees per
+    matmul is the kernel's own output allocation (there were three: SmolLM2's step ran 363
+    torch ops for its 121 matmuls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.step_profile import _count_ops, _Labels, _step_fn
+    from services.scheduler.model_runner import ModelRunner
+
+    runner = ModelRunner(tiny_model_dir, device="cpu", dtype="float32", quantization="int4",
+                         max_total_tokens=512)
+    fn = _step_fn(runner, "decode1")
+    fn()
+    with _Labels(runner).regions(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    counts = _count_ops(prof)[0]
+    assert counts["matmuls"] == 4 * runner.num_layers + 1, counts

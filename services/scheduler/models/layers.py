@@ -58,10 +58,11 @@ def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> tor
     """residual += x, then norm(residual): the residual stream updated in place and the next
     sublayer's input returned (fused: written over x, which the caller no longer needs)."""
     ops = fused_ops(x)
+    weight = norm.weight  # a Parameter: each read goes through nn.Module.__getattr__
     if ops is not None and norm.offset == 0 and residual.dtype == x.dtype and (
-        norm.weight.dtype in (x.dtype, torch.float32)
+        weight.dtype in (x.dtype, torch.float32)
     ):
-        return ops.add_rms_norm_(residual, x, norm.weight, norm.eps)
+        return ops.add_rms_norm_(residual, x, weight, norm.eps)
     residual += x
     return norm(residual)
 
@@ -280,6 +281,7 @@ class Attention(nn.Module):
         self.head_dim = config.get("head_dim") or hidden // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
+        self.head_split = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
         self.o_proj = Linear(self.q_size, hidden, bias=arch.o_bias)
         if arch.qk_norm:
@@ -296,7 +298,8 @@ class Attention(nn.Module):
         # [T, Hq + 2 Hkv, D]: q, k and v heads are views of the projection's rows, and q and k
         # sit side by side, so one call rotates both (after their norms, in place, where any)
         heads = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        q, k, v = heads.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+        # split_with_sizes: Tensor.split is a Python wrapper around it (a few us at batch 1)
+        q, k, v = heads.split_with_sizes(self.head_split, dim=1)
         if self.qk_norm:
             self.q_norm(q, inplace=True)
             self.k_norm(k, inplace=True)
