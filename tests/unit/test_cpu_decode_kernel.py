@@ -69,6 +69,57 @@ def test_native_decode_matches_the_torch_path(kernels, page, hq, hkv, d, mixed):
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+def as_projection_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q, k and v as the model hands them over: strided views of one [T, Hq + 2 Hkv, D] qkv
+    projection output, not contiguous tensors of their own."""
+    heads = torch.cat([q, k, v], dim=1)
+    return heads.split([q.shape[1], k.shape[1], v.shape[1]], dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,window", [("decode", None), ("mixed", None), ("decode", 37),
+                                         ("mixed", 37), ("one long", None), ("one long", 300)])
+def test_one_call_per_layer_writes_the_cache_and_attends_from_projection_rows(
+        kernels, dtype, kind, window):
+    """The decode-only step's single kernel call (cache writes inside) and the mixed step's
+    (its decode rows read from and written to the step's own rows) leave the cache and give
+    the output of the torch path, from q, k, v as strided views; odd lengths, a sliding
+    window, and one long request cut into pieces across the cores and merged."""
+    spans = {
+        "decode": [(c, 1) for c in (0, 1, 15, 16, 17, 63, 64, 65, 333, 700, 1)],
+        "mixed": [(0, 9), (5, 1), (16, 1), (40, 3), (127, 1), (0, 1), (250, 1)],
+        "one long": [(1999, 1)],
+    }[kind]
+    *tensors, meta = random_step(spans, 16, 9, 3, 64, seed=len(spans))
+    q, k, v, k_cache, v_cache = (t.to(dtype) for t in tensors)
+    q, k, v = as_projection_rows(q, k, v)
+    assert q.stride(0) == k.stride(0) == (9 + 2 * 3) * 64  # rows of the projection
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    want = TorchBackend().forward(q, k, v, ref_k, ref_v, meta, 0.125, window)
+    got = TorchBackend(use_native=True).forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    else:  # torch's bf16 SDPA rounds its probabilities to bf16; the kernel keeps them float32
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_write_kv_is_index_copy_and_refuses_slots_outside_the_cache(kernels):
+    *_, k_cache, v_cache, _ = random_step([(3, 1)], 16, 4, 2, 32, seed=5)
+    q, k, v = as_projection_rows(torch.randn(6, 4, 32), torch.randn(6, 2, 32),
+                                 torch.randn(6, 2, 32))
+    slots = torch.tensor([7, 0, 31, 8, 9, 30])
+    want_k, want_v = k_cache.clone().index_copy_(0, slots, k), v_cache.clone().index_copy_(
+        0, slots, v)
+    kernels.write_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    past = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match=f"slot {past} out of range"):
+        kernels.write_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 4, past]))
+    with pytest.raises(RuntimeError, match="slot -1 out of range"):
+        kernels.write_kv(k, v, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 4, -1]))
+
+
 def bf16_step(page: int, hq: int, hkv: int, d: int, mixed: bool):
     """A random step (see random_step) with q, k, v and both caches rounded to bfloat16."""
     gen = torch.Generator().manual_seed(page * hq + d + 1)
@@ -136,6 +187,16 @@ def test_portable_bf16_kernel_matches_too(kernels, monkeypatch):
     for d in (64, 80):
         check_bf16_decode(TorchBackend(use_native=True), 16, 6, 2, d, mixed=True, window=None)
         check_bf16_decode(TorchBackend(use_native=True), 16, 6, 2, d, mixed=False, window=37)
+    # and float32, from the projection's strided rows, one long request merged from pieces
+    for spans, window in ([(c, 1) for c in (0, 17, 300, 64)], None), ([(900, 1)], 100), (
+            [(0, 7), (40, 1), (3, 1)], None):
+        *tensors, meta = random_step(spans, 16, 9, 3, 64, seed=len(spans))
+        q, k, v = as_projection_rows(*tensors[:3])
+        ref_k, ref_v = tensors[3].clone(), tensors[4].clone()
+        want = TorchBackend().forward(q, k, v, ref_k, ref_v, meta, 0.125, window)
+        got = TorchBackend(use_native=True).forward(q, k, v, *tensors[3:], meta, 0.125, window)
+        assert torch.equal(tensors[3], ref_k) and torch.equal(tensors[4], ref_v)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
 def test_kernel_says_which_shapes_it_has(kernels):

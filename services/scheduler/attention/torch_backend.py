@@ -85,8 +85,16 @@ class _Plan:
     decode_tokens: list[int]  # their token index in q
     rows: torch.Tensor  # decode_rows as a tensor (the native kernel's row -> request map)
     prefill_rows: torch.Tensor  # int64: the requests with more than one new token
+    tokens: torch.Tensor  # decode_tokens as a tensor (the native kernel's row -> token map)
     order: torch.Tensor  # positions within decode_rows, sorted by length
     groups: list[_Group]
+    # the native kernels' int32 tables and lengths, made once per step (not once per layer)
+    tables: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
+
+    @property
+    def decode_only(self) -> bool:
+        return len(self.decode_rows) == len(self.starts) - 1
 
 
 def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
@@ -98,10 +106,14 @@ def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
     rows = [b for b, n in enumerate(meta.query_lens_cpu) if n == 1]
     lens = meta.seq_lens_cpu
     order = sorted(range(len(rows)), key=lambda i: lens[rows[i]])
-    plan = _Plan(starts, rows, [starts[b] for b in rows], torch.tensor(rows, device=device),
+    tokens = [starts[b] for b in rows]
+    plan = _Plan(starts, rows, tokens, torch.tensor(rows, device=device),
                  torch.tensor([b for b, n in enumerate(meta.query_lens_cpu) if n > 1],
                               dtype=torch.long, device=device),
+                 torch.tensor(tokens, dtype=torch.long, device=device),
                  torch.tensor(order, dtype=torch.long, device=device), [])
+    plan.tables = meta.block_tables.to(torch.int32).contiguous()  # no copy if they are already
+    plan.lens = meta.seq_lens.to(torch.int32).contiguous()
     for g in range(0, len(order) if groups else 0, DECODE_GROUP):
         reqs = [rows[i] for i in order[g : g + DECODE_GROUP]]
         num_blocks = -(-max(lens[b] for b in reqs) // p)
@@ -167,17 +179,24 @@ class TorchBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None):
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
         if meta is not self._meta:  # the first layer of a step plans for all of them
             self._meta, self._plan = meta, _plan(meta, q.device, q.dtype, not self.use_native)
         plan = self._plan
         assert plan is not None
+        if plan.decode_only and self.use_native:  # one C++ call: the cache writes and attention
+            return self._decode(q, k_cache, v_cache, meta, plan, scale, window, new=(k, v))
+        if self.use_native:
+            cpu_kernels().write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
         qlens = meta.query_lens_cpu
-        if len(plan.decode_rows) == len(qlens):
+        if plan.decode_only:
             return self._decode(q, k_cache, v_cache, meta, plan, scale, window)
         out = torch.empty_like(q)
-        if plan.decode_rows:
+        if plan.decode_rows and self.use_native:  # straight from q's rows into out's
+            self._decode(q, k_cache, v_cache, meta, plan, scale, window, out=out)
+        elif plan.decode_rows:
             tokens = plan.decode_tokens
             out[tokens] = self._decode(q[tokens], k_cache, v_cache, meta, plan, scale, window)
         self._prefill(q, k, v, k_cache, v_cache, meta, plan, scale, window, out)
@@ -188,7 +207,7 @@ class TorchBackend(AttentionBackend):
         """The requests with several new tokens, written into their rows of `out`."""
         if self.use_native_prefill:
             prefill_kernels().module.paged_prefill(
-                q, k_cache, v_cache, meta.block_tables.int(), meta.seq_lens.int(),
+                q, k_cache, v_cache, plan.tables, plan.lens,
                 meta.query_start_loc.int(), plan.prefill_rows, meta.page_size, scale,
                 window or 0, out)
             return
@@ -213,12 +232,20 @@ class TorchBackend(AttentionBackend):
             out[s:e] = o[0].transpose(0, 1)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan, scale: float,
-                window: int | None):
-        """One new token per decode row; q[i] and the result's row i are decode_rows[i]'s."""
+                window: int | None, new: tuple[torch.Tensor, torch.Tensor] | None = None,
+                out: torch.Tensor | None = None):
+        """One new token per decode row; q[i] and the result's row i are decode_rows[i]'s.
+
+        Native only: `new` (a decode-only step's k, v) is written to the cache in the same call;
+        with `out` (a mixed step), q and out are the whole step's rows and the kernel reads and
+        writes the decode rows' own (plan.tokens)."""
         if self.use_native:
-            return cpu_kernels().paged_decode(q.contiguous(), k_cache, v_cache,
-                                              meta.block_tables.int(), meta.seq_lens.int(),
-                                              plan.rows, meta.page_size, scale, window or 0)
+            k, v = new if new is not None else (None, None)
+            slots = meta.slot_mapping if new is not None else None
+            rows, tokens = (plan.rows, plan.tokens) if out is not None else (None, None)
+            return cpu_kernels().decode(q, k_cache, v_cache, plan.tables, plan.lens,
+                                        meta.page_size, scale, window or 0, k, v, slots, rows,
+                                        tokens, out)
         page_size = meta.page_size
         # rows sorted by length, so that each group is a slice: two index ops per layer in all
         q_sorted = q.index_select(0, plan.order).unsqueeze(2)  # [N, Hq, 1, D]
