@@ -15,8 +15,13 @@ Where the time goes on CPU is reading the cache, so this backend reads as little
 
 With `use_native` (the model runner sets it on CPU in float32 or bfloat16 when the kernel
 builds), decodes instead go to a small C++ kernel (paged_decode_cpu.cpp) that reads each cached
-row once, straight from the block table: about 3x less memory traffic than gather + SDPA. Without
-it, and as the reference, everything here is plain torch.
+block once, straight from the block table: about 3x less memory traffic than gather + SDPA. A
+decode-only step is one call per layer: the new K/V rows go into the cache inside it, q is read
+as the projection's strided rows, and the int32 tables and lengths are made once per step (in
+the plan), so batch 1 pays one C++ call per layer instead of five. In a mixed step the cache
+writes are one call (`write_kv`) and the decode rows are read from q's rows and written into
+out's by the kernel (no gather or scatter). Without it, and as the reference, everything here is
+plain torch.
 
 With `use_native_prefill` (set the same way), the requests with several new tokens (a fresh
 prompt, a chunk of a long one, the tokens after a cached prefix) go to paged_prefill_cpu.cpp in
@@ -190,7 +195,6 @@ class TorchBackend(AttentionBackend):
         else:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
-        qlens = meta.query_lens_cpu
         if plan.decode_only:
             return self._decode(q, k_cache, v_cache, meta, plan, scale, window)
         out = torch.empty_like(q)
