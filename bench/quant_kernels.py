@@ -14,8 +14,12 @@ tied lm_head) at batch 1, 7 and 64, every way we can multiply by a weight:
 and prints milliseconds per call and the sum over one decode step (30 layers + lm_head), so
 the choice per batch size is one table. With --steps it also times whole decode steps of the
 real SmolLM2 (ModelRunner.forward, every request decoding one token at a context of --context)
-per --quantization and --dtype. The machine it ran on may be shared: compare the columns of one
-run, not numbers of different runs.
+per --quantization and --dtype. With --from-memory it also times one decode step's matmuls over
+distinct weights for every layer (30 of each projection and the lm_head, as the model holds
+them), so the weights stream from DRAM as in a real step rather than from the caches the
+per-shape table repeats them in: milliseconds and the weight bytes read per second, the
+number to hold against the machine's bandwidth at batch 1. The machine it ran on may be
+shared: compare the columns of one run, not numbers of different runs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/offline.py
 
@@ -93,6 +98,46 @@ def run(batches: list[int], min_s: float) -> dict:
     return table
 
 
+def from_memory(batches: list[int], rounds: int = 4) -> dict:
+    """Fastest whole step's matmuls (ms) and weight GB/s per kernel, each layer its own weight;
+    the kernels alternate in rounds. int4 keeps the lm_head int8 as quantize_model does."""
+    torch.manual_seed(0)
+    layers = [(n, k) for _ in range(30) for _, n, k, count in SHAPES if count > 1]
+    layers.append(next((n, k) for name, n, k, _ in SHAPES if name == "lm_head"))
+    f32, int8, int4 = [], [], []
+    for i, (n, k) in enumerate(layers):
+        weight = torch.randn(n, k) * 0.02
+        f32.append(onednn_pack(weight))
+        int8.append(quant.Int8Plain.quantize(weight).pack())
+        int4.append(int8[-1] if i == len(layers) - 1 else quant.Int4Plain.quantize(weight).pack())
+    weights = {"f32_onednn": (f32, 4 * sum(n * k for n, k in layers)),
+               "int8_ours": (int8, sum(q.nbytes for q in int8)),
+               "int4_ours": (int4, sum(q.nbytes for q in int4))}
+    ks = [k for _, k in layers]
+
+    def f32_step(xs: dict) -> None:
+        for k, w in zip(ks, f32, strict=True):
+            onednn_linear(xs[k], w, None)
+
+    def quant_step(xs: dict, qs: list) -> None:
+        for k, q in zip(ks, qs, strict=True):
+            q.matmul(xs[k])
+
+    out: dict = {}
+    for batch in batches:
+        xs = {k: torch.randn(batch, k) for k in set(ks)}
+        steps = {"f32_onednn": partial(f32_step, xs), "int8_ours": partial(quant_step, xs, int8),
+                 "int4_ours": partial(quant_step, xs, int4)}
+        best = dict.fromkeys(steps, float("inf"))
+        for _ in range(rounds):
+            for name, step in steps.items():
+                best[name] = min(best[name], _time(step, 0.0))
+        out[batch] = {name: {"ms": round(t * 1e3, 2),
+                             "weight_GB_s": round(weights[name][1] / t / 1e9, 1)}
+                      for name, t in best.items()}
+    return out
+
+
 def decode_steps(batches: list[int], context: int, min_s: float) -> dict:
     """Fastest whole decode step (ms) of SmolLM2 per (quantization, dtype) and batch size."""
     from common.messages import SamplingParams
@@ -134,6 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", action="store_true",
                         help="also time whole SmolLM2 decode steps per quantization and dtype")
     parser.add_argument("--context", type=int, default=256, help="--steps: tokens per request")
+    parser.add_argument("--from-memory", action="store_true",
+                        help="also time a step's matmuls over distinct weights per layer (DRAM)")
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
     if args.threads:
@@ -141,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     table = run(args.batches, args.min_seconds)
     if args.steps:
         table["decode_step_ms"] = decode_steps(args.batches, args.context, args.min_seconds)
+    if args.from_memory:
+        table["from_memory"] = from_memory(args.batches)
     if args.json:
         print(json.dumps(table, indent=2))
         return
@@ -158,6 +207,15 @@ def main(argv: list[str] | None = None) -> None:
             f"batch {b}" for b in args.batches) + ")")
         for name, row in table["decode_step_ms"].items():
             print(f"  {name:<18}" + "".join(f"{row[b]:>10.2f}" for b in args.batches))
+
+
+    if "from_memory" in table:
+        print("\nOne decode step's matmuls, every layer its own weight (from DRAM): "
+              "ms, weight GB/s")
+        for batch, row in table["from_memory"].items():
+            print(f"  batch {batch:<4}" + "".join(
+                f"  {name} {r['ms']:8.2f} ms {r['weight_GB_s']:6.1f} GB/s"
+                for name, r in row.items()))
 
 
 if __name__ == "__main__":
