@@ -10,6 +10,21 @@ from bench.servers import TokenlineServer, free_port, wait_healthy  # noqa: F401
 REPO = Path(__file__).resolve().parents[1]
 
 
+def portable_build(source: Path, what: str):
+    """A C++ kernel source built as an AVX2-only CPU (CI) builds it: AVX-512 switched off
+    (-mno-avx512f, an x86 flag), its own build next to the suite's. NativeKernels."""
+    from services.scheduler import native
+
+    flags = native.CFLAGS
+    native.CFLAGS = [*flags, "-mno-avx512f"]
+    extension = native.Extension(source, what)
+    try:
+        return extension.kernels()
+    finally:
+        native.CFLAGS = flags
+        native.EXTENSIONS.remove(extension)
+
+
 def make_tiny_llama(target: Path, tokenizer_from: Path, **overrides) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM

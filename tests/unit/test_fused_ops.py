@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.scheduler import native
 from services.scheduler.models import layers
 from services.scheduler.models.layers import RMSNorm, Rotary
+from tests.helpers import portable_build
 
 native_ops = layers.OPS.module()
 pytestmark = pytest.mark.skipif(native_ops is None,
@@ -35,13 +35,7 @@ def ops(request):
         return native_ops
     if not X86:  # -mno-avx512f is an x86 flag; elsewhere the native build is the portable one
         pytest.skip(f"{platform.machine()}: no AVX-512 to switch off")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(native, "CFLAGS", [*native.CFLAGS, "-mno-avx512f"])
-        portable = native.Extension(layers.OPS.source, "the portable fused ops")
-        try:
-            module = portable.module()
-        finally:
-            native.EXTENSIONS.remove(portable)
+    module = portable_build(layers.OPS.source, "the portable fused ops").module
     assert module is not None and not module.avx512()
     return module
 
