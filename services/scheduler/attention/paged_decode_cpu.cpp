@@ -42,6 +42,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <type_traits>
@@ -397,6 +398,10 @@ struct Piece {
 // more than the balance they buy.
 constexpr int64_t kMinPiece = 64;
 
+// K and V bytes below which a step runs on one thread (1 MiB: SmolLM2's 680 float32 positions,
+// 1,365 bfloat16; split over two cores, 1,024 float32 positions were already about even)
+constexpr int64_t kSerialBytes = int64_t{1} << 20;
+
 struct Step {
   int64_t N, Hq, Hkv, D, page, W;
   int64_t q_s0, q_s1;  // q's strides (rows, heads)
@@ -425,11 +430,18 @@ void attend(const Step& s, const T* q, const T* kc, const T* vc, T* out, PieceFn
     const int64_t len = s.lens[request(n)];
     return s.window > 0 ? std::max<int64_t>(0, len - s.window) : int64_t{0};
   };
-  const int threads = at::get_num_threads();
   int64_t total = 0;
   for (int64_t n = 0; n < s.N; ++n) total += s.lens[request(n)] - first(n);
-  // about four pieces per core in all, whole blocks each, none shorter than kMinPiece
-  int64_t piece = std::max<int64_t>(kMinPiece, (total + 4 * threads - 1) / (4 * threads));
+  // A small step runs on the calling thread: waking a sleeping OpenMP thread (the passive wait
+  // policy) costs 15-20 us, more than a batch-1 step at a context of 256 takes on one core
+  // (SmolLM2, float32: 14 us alone against 34 us split over two).
+  const bool small = total * s.Hkv * D * static_cast<int64_t>(sizeof(T)) * 2 < kSerialBytes;
+  const int threads = small ? 1 : at::get_num_threads();
+  // about four pieces per core in all, whole blocks each, none shorter than kMinPiece (one
+  // core: one piece a request, nothing to merge)
+  int64_t piece = threads <= 1 ? std::numeric_limits<int64_t>::max() / 2
+                               : std::max<int64_t>(kMinPiece, (total + 4 * threads - 1) /
+                                                                   (4 * threads));
   piece = (piece + s.page - 1) / s.page * s.page;
   std::vector<Piece> pieces;
   std::vector<int64_t> part0(s.N), parts(s.N);
