@@ -104,10 +104,29 @@ async def run():
             generated = metric(before, "tokenline:generation_tokens_total") + sum(
                 o["usage"]["completion_tokens"] for o in done) + aborted[2]["completion_tokens"]
             after = await _settled(http, stack.url, generated)
+        await _stats_line_after_the_retraction(stack)
     finally:
         stack.stop()
     return {"before": before, "after": after, "done": done, "aborted": aborted,
             "logs": stack.logs()}
+
+
+async def _stats_line_after_the_retraction(stack: Stack, timeout: float = 30) -> None:
+    """Wait until the scheduler has logged a stats line after its retraction, then return.
+
+    A stats line closes a window of at least --log-stats-interval (2 s here): a busy line when
+    a step ends one, else the line that closes it up to a second after the scheduler goes
+    idle. A fast machine finishes everything after the retraction inside one window, so that
+    line may come after /metrics has settled; stopping the stack then would lose it. (No line
+    after a retraction means no retraction: the tests below say so.)"""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = [json.loads(raw) for raw in stack.logs().splitlines() if raw.startswith("{")]
+        events = [line["event"] for line in lines if line.get("service") == "scheduler"]
+        if "request retracted" in events and \
+                "stats" in events[events.index("request retracted"):]:
+            return
+        await asyncio.sleep(0.3)
 
 
 def _delta(run: dict, name: str, **labels) -> float:
