@@ -10,6 +10,7 @@ import torch
 from services.scheduler.attention import torch_backend
 from services.scheduler.attention.base import AttentionMetadata
 from services.scheduler.attention.torch_backend import TorchBackend, native_kernels
+from tests.helpers import portable_build
 
 
 @pytest.fixture(scope="module")
@@ -174,14 +175,7 @@ def test_bf16_kernel_uses_avx512_bf16_where_the_cpu_has_it(kernels):
                     reason="-mno-avx512f (the AVX2 build) is an x86 compiler flag")
 def test_portable_bf16_kernel_matches_too(kernels, monkeypatch):
     """The path an AVX2-only CPU builds: the same source without AVX-512 (its own build)."""
-    from services.scheduler import native
-
-    monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS, "-mno-avx512f"])
-    portable = native.Extension(torch_backend.DECODE.source, "the portable decode kernel")
-    try:
-        module = portable.module()
-    finally:
-        native.EXTENSIONS.remove(portable)
+    module = portable_build(torch_backend.DECODE.source, "the portable decode kernel").module
     assert module is not None and not module.fast_bf16()
     monkeypatch.setattr(torch_backend, "cpu_kernels", lambda: module)
     for d in (64, 80):

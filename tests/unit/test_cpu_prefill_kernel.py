@@ -19,6 +19,7 @@ import torch
 from services.scheduler.attention import torch_backend
 from services.scheduler.attention.base import AttentionMetadata
 from services.scheduler.attention.torch_backend import TorchBackend, prefill_kernels
+from tests.helpers import portable_build
 from tests.unit.test_cpu_decode_kernel import random_step
 
 # (cached tokens, new tokens) per request: fresh prompts (odd lengths, one longer than a tile
@@ -126,14 +127,7 @@ def test_bf16_kernel_uses_avx512_bf16_where_the_cpu_has_it(kernels):
 def test_portable_kernel_matches_too(kernels, monkeypatch):
     """The path an AVX2-only CPU builds (8 lanes, bf16 widened to float32): the same source
     without AVX-512, its own build."""
-    from services.scheduler import native
-
-    monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS, "-mno-avx512f"])
-    portable = native.Extension(torch_backend.PREFILL.source, "the portable prefill kernel")
-    try:
-        state = portable.kernels()
-    finally:
-        native.EXTENSIONS.remove(portable)
+    state = portable_build(torch_backend.PREFILL.source, "the portable prefill kernel")
     assert state.module is not None and not state.module.fast_bf16()
     monkeypatch.setattr(torch_backend, "prefill_kernels", lambda: state)
     for page, hq, hkv, d in [(16, 9, 3, 64), (4, 6, 2, 80)]:
