@@ -7,8 +7,8 @@
 // registers (up to 8 rows of accumulators). Below 16 rows the weights are never dequantized in
 // memory (batch 1 reads 1 or 0.5 bytes a weight, plus scales); below 4 rows the scale and
 // minimum are applied once per group of 32 rather than per weight (quant_tile). From 16 rows
-// three tiles at a time are dequantized once per 64 rows into float32 buffers and run from
-// there, each broadcast activation feeding the three.
+// each group of three tiles is dequantized once per call into float32 buffers and every row
+// runs from there, each broadcast activation feeding the three (run_dequantized).
 //
 //   int8  q   [T, Kp, 16] uint8        code of channel 16t + c at k: q[t, k, c]
 //   int4  q   [T, Kp/2, 16] uint8      byte (t, j, c) holds k = 2j (low nibble), 2j + 1 (high)
@@ -31,6 +31,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -44,7 +45,7 @@ namespace {
 constexpr int64_t LANES = 16;   // output channels per tile
 constexpr int64_t GROUP = 32;   // k values per scale
 constexpr int64_t ROW_CHUNK = 64;  // batch rows whose activations stay in cache across tiles
-// from this many rows in a chunk tiles are dequantized once into float32 (see float_tiles)
+// from this many rows tiles are dequantized into float32 once per call (run_dequantized)
 constexpr int64_t DEQUANT_ROWS = 16;
 
 #ifdef __AVX512F__
@@ -178,10 +179,11 @@ void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
 }
 
 // NT neighbouring tiles from their buffers (w: NT buffers [Kp][16], one after the other)
-// against R rows: each activation, broadcast once into a register, feeds all NT tiles.
+// against R rows of x as the caller holds them (row r at x + r * ldx): each activation,
+// broadcast once into a register, feeds all NT tiles.
 template <int NT, int R>
-void float_tiles(const float* x, const float* w, int64_t Kp, float* out, int64_t ldo,
-                 int valid_last) {
+void float_tiles(const float* x, int64_t ldx, const float* w, int64_t Kp, float* out,
+                 int64_t ldo, int valid_last) {
   constexpr int U = chains<R>();
   __m512 acc[NT][R][U];
   for (int t = 0; t < NT; ++t)
@@ -192,10 +194,9 @@ void float_tiles(const float* x, const float* w, int64_t Kp, float* out, int64_t
     for (int i = 0; i < 4; ++i) {
       __m512 wv[NT];
       for (int t = 0; t < NT; ++t) wv[t] = _mm512_loadu_ps(w + t * Kp * LANES + (k0 + i) * LANES);
-      const float* xk = x + (k0 + i) * R;
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const __m512 b = _mm512_set1_ps(xk[r]);
+        const __m512 b = _mm512_set1_ps(x[r * ldx + k0 + i]);
         for (int t = 0; t < NT; ++t) acc[t][r][i % U] = _mm512_fmadd_ps(wv[t], b, acc[t][r][i % U]);
       }
     }
@@ -275,14 +276,14 @@ void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
 }
 
 template <int NT, int R>
-void float_tiles(const float* x, const float* w, int64_t Kp, float* out, int64_t ldo,
-                 int valid_last) {
+void float_tiles(const float* x, int64_t ldx, const float* w, int64_t Kp, float* out,
+                 int64_t ldo, int valid_last) {
   for (int t = 0; t < NT; ++t) {
     float acc[R][LANES] = {};
     const float* wt = w + t * Kp * LANES;
     for (int64_t k = 0; k < Kp; ++k)
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < LANES; ++c) acc[r][c] += wt[k * LANES + c] * x[k * R + r];
+        for (int c = 0; c < LANES; ++c) acc[r][c] += wt[k * LANES + c] * x[r * ldx + k];
     const int valid = t == NT - 1 ? valid_last : LANES;
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < valid; ++c) out[r * ldo + t * LANES + c] = acc[r][c];
@@ -313,26 +314,26 @@ void tile_block(int64_t R, const float* x, const float* xsum, const uint8_t* q, 
 constexpr int64_t FLOAT_TILES = 3;
 
 template <int NT>
-void float_rows(int64_t R, const float* x, const float* w, int64_t Kp, float* out, int64_t ldo,
-                int valid) {
+void float_rows(int64_t R, const float* x, int64_t ldx, const float* w, int64_t Kp, float* out,
+                int64_t ldo, int valid) {
   switch (R) {
-    case 8: return float_tiles<NT, 8>(x, w, Kp, out, ldo, valid);
-    case 7: return float_tiles<NT, 7>(x, w, Kp, out, ldo, valid);
-    case 6: return float_tiles<NT, 6>(x, w, Kp, out, ldo, valid);
-    case 5: return float_tiles<NT, 5>(x, w, Kp, out, ldo, valid);
-    case 4: return float_tiles<NT, 4>(x, w, Kp, out, ldo, valid);
-    case 3: return float_tiles<NT, 3>(x, w, Kp, out, ldo, valid);
-    case 2: return float_tiles<NT, 2>(x, w, Kp, out, ldo, valid);
-    default: return float_tiles<NT, 1>(x, w, Kp, out, ldo, valid);
+    case 8: return float_tiles<NT, 8>(x, ldx, w, Kp, out, ldo, valid);
+    case 7: return float_tiles<NT, 7>(x, ldx, w, Kp, out, ldo, valid);
+    case 6: return float_tiles<NT, 6>(x, ldx, w, Kp, out, ldo, valid);
+    case 5: return float_tiles<NT, 5>(x, ldx, w, Kp, out, ldo, valid);
+    case 4: return float_tiles<NT, 4>(x, ldx, w, Kp, out, ldo, valid);
+    case 3: return float_tiles<NT, 3>(x, ldx, w, Kp, out, ldo, valid);
+    case 2: return float_tiles<NT, 2>(x, ldx, w, Kp, out, ldo, valid);
+    default: return float_tiles<NT, 1>(x, ldx, w, Kp, out, ldo, valid);
   }
 }
 
 // nt (1 to FLOAT_TILES) tiles' buffers against R rows.
-void float_block(int64_t nt, int64_t R, const float* x, const float* w, int64_t Kp, float* out,
-                 int64_t ldo, int valid) {
-  if (nt == 3) return float_rows<3>(R, x, w, Kp, out, ldo, valid);
-  if (nt == 2) return float_rows<2>(R, x, w, Kp, out, ldo, valid);
-  return float_rows<1>(R, x, w, Kp, out, ldo, valid);
+void float_block(int64_t nt, int64_t R, const float* x, int64_t ldx, const float* w, int64_t Kp,
+                 float* out, int64_t ldo, int valid) {
+  if (nt == 3) return float_rows<3>(R, x, ldx, w, Kp, out, ldo, valid);
+  if (nt == 2) return float_rows<2>(R, x, ldx, w, Kp, out, ldo, valid);
+  return float_rows<1>(R, x, ldx, w, Kp, out, ldo, valid);
 }
 
 // Batch rows are taken in blocks of 8, then whatever is left (1-7), in both paths.
@@ -362,7 +363,38 @@ void pack_rows(const float* x, int64_t rows, int64_t Kp, float* packed, float* x
   });
 }
 
-// Batch rows in chunks of 64, each packed once (pack_rows), then the tiles split across
+// From DEQUANT_ROWS rows: the tiles in groups of FLOAT_TILES, each dequantized once per call
+// into the thread's buffers, every row of x then run from them as the caller holds x (no
+// packing: an 8-row block's broadcasts come from 8 row streams). One parallel region per call;
+// threads claim groups one at a time from a counter, so a thread that another process delays
+// (the machine's cores are shared with the other services) holds up one group, not half the
+// call. Before, rows went in chunks of 64, each packed and then run by all tiles: a 2,048-row
+// prefill dequantized every tile 32 times and woke the threads 64 times per call.
+template <typename C, typename S>
+void run_dequantized(const float* x, const uint8_t* q, const S* sm, int64_t M, int64_t Kp,
+                     int64_t N, int64_t T, int64_t q_per_tile, float* out) {
+  const int64_t G = Kp / GROUP, s_per_tile = G * 2 * LANES;
+  const int64_t groups = (T + FLOAT_TILES - 1) / FLOAT_TILES;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    thread_local std::vector<float> wbuf;
+    if (static_cast<int64_t>(wbuf.size()) < FLOAT_TILES * Kp * LANES)
+      wbuf.resize(FLOAT_TILES * Kp * LANES);
+    for (int64_t g; (g = next.fetch_add(1, std::memory_order_relaxed)) < groups;) {
+      const int64_t t = g * FLOAT_TILES, nt = std::min(FLOAT_TILES, T - t);
+      const int valid = static_cast<int>(std::min(LANES, N - (t + nt - 1) * LANES));
+      for (int64_t i = 0; i < nt; ++i)
+        dequant<C, S>(q + (t + i) * q_per_tile, sm + (t + i) * s_per_tile, G,
+                      wbuf.data() + i * Kp * LANES);
+      for (int64_t r0 = 0; r0 < M; r0 += block_rows(M - r0))
+        float_block(nt, block_rows(M - r0), x + r0 * Kp, Kp, wbuf.data(), Kp,
+                    out + r0 * N + t * LANES, N, valid);
+    }
+  });
+}
+
+// Below DEQUANT_ROWS (from there run_dequantized):
+// batch rows in chunks of 64, each packed once (pack_rows), then the tiles split across
 // threads: each thread walks its tiles once per chunk, so a chunk's activations are read from
 // cache for every tile. Scratch buffers are kept per thread across calls (no allocation, no
 // page faults per call).
@@ -376,6 +408,10 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const S* sp = reinterpret_cast<const S*>(scales.data_ptr());
   float* op = out.data_ptr<float>();
+  if (M >= DEQUANT_ROWS) {
+    run_dequantized<C, S>(xp, qp, sp, M, Kp, N, T, q_per_tile, op);
+    return out;
+  }
   thread_local std::vector<float> packed, xsum;
   const int64_t chunk = std::min(M, ROW_CHUNK);
   if (static_cast<int64_t>(packed.size()) < chunk * Kp) packed.resize(chunk * Kp);
@@ -396,22 +432,6 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     const float* sums = xsum.data();
     float* oc = op + m0 * N;
     at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-      if (rows >= DEQUANT_ROWS) {
-        thread_local std::vector<float> wbuf;
-        if (static_cast<int64_t>(wbuf.size()) < FLOAT_TILES * Kp * LANES)
-          wbuf.resize(FLOAT_TILES * Kp * LANES);
-        for (int64_t t = begin; t < end; t += FLOAT_TILES) {
-          const int64_t nt = std::min(FLOAT_TILES, end - t);
-          const int valid = static_cast<int>(std::min(LANES, N - (t + nt - 1) * LANES));
-          for (int64_t i = 0; i < nt; ++i)
-            dequant<C, S>(qp + (t + i) * q_per_tile, sp + (t + i) * s_per_tile, G,
-                          wbuf.data() + i * Kp * LANES);
-          for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0))
-            float_block(nt, block_rows(rows - r0), xs + r0 * Kp, wbuf.data(), Kp,
-                        oc + r0 * N + t * LANES, N, valid);
-        }
-        return;
-      }
       for (int64_t t = begin; t < end; ++t) {
         const int valid = static_cast<int>(std::min(LANES, N - t * LANES));
         for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0))

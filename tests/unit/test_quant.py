@@ -13,8 +13,9 @@ from gguf import quants
 
 from services.scheduler import quant
 
-# out x in: aligned (SmolLM2's o_proj, a multiple of 16 x 32) and odd on either side
-SHAPES = [(576, 576), (48, 96), (33, 100), (7, 40), (5, 31)]
+# out x in: aligned (SmolLM2's o_proj, a multiple of 16 x 32) and odd on either side; 100 out
+# is 7 tiles of 16, so from 16 rows two groups of three tiles and a group of one
+SHAPES = [(576, 576), (48, 96), (33, 100), (7, 40), (5, 31), (100, 64)]
 U = 2.0**-24  # float32's unit roundoff
 
 
@@ -48,7 +49,7 @@ def _check(out: torch.Tensor, x: torch.Tensor, plain) -> None:
 
 
 # 1-3 rows: the factored register path (scale and minimum per group); 4-15: the register path;
-# 16 on: dequantized buffers; 70 and 129: a second chunk of 64 rows with 6 and 1 rows left
+# 16 on: dequantized buffers, in blocks of 8 rows; 70 and 129 end on a block of 6 and of 1 rows
 BATCHES = [1, 2, 3, 7, 16, 64, 70, 129]
 
 
@@ -229,7 +230,8 @@ def test_portable_kernels_match_reference():
     assert not module.vectorized()
     torch.manual_seed(6)
     for (n, k), batch in [((48, 96), 1), ((33, 100), 7), ((5, 31), 64), ((40, 64), 16),
-                          ((50, 64), 3), ((17, 96), 70)]:
+                          ((50, 64), 3), ((17, 96), 70),
+                          ((100, 64), 129)]:
         w = torch.randn(n, k) * 0.05
         x = torch.randn(batch, k)
         for plain, fn in ((quant.Int8Plain.quantize(w), module.int8_linear),
