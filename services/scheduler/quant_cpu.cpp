@@ -47,6 +47,16 @@ constexpr int64_t GROUP = 32;   // k values per scale
 constexpr int64_t ROW_CHUNK = 64;  // batch rows whose activations stay in cache across tiles
 // from this many rows tiles are dequantized into float32 once per call (run_dequantized)
 constexpr int64_t DEQUANT_ROWS = 16;
+// below this many rows quant_tile takes the scale and minimum out of the k loop
+constexpr int64_t FACTORED_ROWS = 4;
+// With 1-3 rows a call is a stream of weight bytes with one or two FMAs per code, and one core
+// with the prefetches below streams about 39 GB/s, near the two cores' 44: a second thread adds
+// little bandwidth, and waking it (the passive OpenMP wait policy, a futex) costs microseconds
+// in each of a step's 121 calls, more whenever another process holds its core. Measured
+// (bench.quant_kernels --from-memory, a batch-1 step's matmuls, shared machine): one thread
+// int8 3.9-4.6 ms, int4 2.8-3.2, against two threads' 5.2 / 4.1. Calls of 1-3 rows up to this
+// many weight bytes (rows x bytes: SmolLM2's int8 lm_head is 31 MB) run on the calling thread.
+constexpr int64_t ONE_THREAD_BYTES = int64_t{64} << 20;
 
 #ifdef __AVX512F__
 
@@ -121,7 +131,7 @@ void quant_tile(const float* x, const float* xsum, const uint8_t* q, const S* sm
                 float* out, int64_t ldo, int valid) {
   constexpr int U = chains<R>();
   constexpr int P = C::PER_ROW;
-  constexpr bool FACTORED = R < 4;
+  constexpr bool FACTORED = R < FACTORED_ROWS;
   __m512 acc[R][U], part[R][U];
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < U; ++u) acc[r][u] = _mm512_setzero_ps();
@@ -227,7 +237,7 @@ template <typename C, int R, typename S>
 void quant_tile(const float* x, const float* xsum, const uint8_t* q, const S* sm, int64_t G,
                 float* out, int64_t ldo, int valid) {
   constexpr int P = C::PER_ROW;
-  constexpr bool FACTORED = R < 4;
+  constexpr bool FACTORED = R < FACTORED_ROWS;
   float acc[R][LANES] = {};
   for (int64_t g = 0; g < G; ++g) {
     float s[LANES], m[LANES];
@@ -431,7 +441,10 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     }
     const float* sums = xsum.data();
     float* oc = op + m0 * N;
-    at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    // 1-3 rows of a weight under ONE_THREAD_BYTES run on the calling thread (grain T): see there
+    const int64_t wbytes = T * (q_per_tile + s_per_tile * static_cast<int64_t>(sizeof(S)));
+    const bool one_thread = rows < FACTORED_ROWS && rows * wbytes <= ONE_THREAD_BYTES;
+    at::parallel_for(0, T, one_thread ? T : 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int valid = static_cast<int>(std::min(LANES, N - t * LANES));
         for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0))
