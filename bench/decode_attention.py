@@ -1,0 +1,138 @@
+"""`python -m bench.decode_attention`: the C++ decode kernel alone, against memory bandwidth.
+
+One "step" is what a batch-64 SmolLM2 decode step asks of it: one call per layer (30 layers,
+each with caches of its own, as the model has), 64 requests at contexts 128..384 (the same as
+`bench.step_profile`'s decode64), 9 query heads over 3 KV heads of 64, page 16, q read from
+the rows of a qkv projection and the step's new K/V rows written inside the call, exactly as
+TorchBackend's decode-only step calls it. The blocks lie one after another per request
+(`--layout contiguous`, as step_profile lays them out and a fresh burst's prompts get them) or
+shuffled over the pool (`--layout shuffled`, as a long-running server's decode blocks end up);
+`--layout hot` points every request at the same few blocks, which then stay in L2: the kernel's
+compute alone, with no memory traffic to wait for.
+
+Beside the kernel it times a plain streaming read of the same number of bytes (a torch sum over
+both threads, over one contiguous tensor as large as a step's K and V): what this machine's
+memory gives right now, the bound the kernel is measured against. With --against REV the same
+source at that git revision is built as a second extension and the two alternate, round by
+round, in this process (the machine may be shared: compare columns of one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/offline.py
+
+import torch  # noqa: E402
+
+from services.scheduler.attention import torch_backend  # noqa: E402
+from services.scheduler.native import Extension  # noqa: E402
+
+HQ, HKV, D, PAGE, LAYERS = 9, 3, 64, 16, 30
+CONTEXTS = [128 + (256 * b) // 63 for b in range(64)]  # step_profile's decode64
+
+
+class Step:
+    """Tables, lengths, q/k/v rows and LAYERS pairs of caches for one decode step."""
+
+    def __init__(self, dtype: torch.dtype, layout: str, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        lens = [c + 1 for c in CONTEXTS]
+        need = [-(-n // PAGE) for n in lens]
+        blocks = sum(need) + 64  # a little slack, as a pool has
+        order = torch.randperm(blocks, generator=gen).tolist() if layout == "shuffled" else list(
+            range(blocks))
+        self.tables = torch.zeros((len(lens), max(need) + 4), dtype=torch.int32)
+        slots, at = [], 0
+        for b, n in enumerate(lens):
+            self.tables[b, : need[b]] = torch.tensor(order[at : at + need[b]], dtype=torch.int32)
+            at += 0 if layout == "hot" else need[b]
+            slots.append(int(self.tables[b, (n - 1) // PAGE]) * PAGE + (n - 1) % PAGE)
+        self.lens = torch.tensor(lens, dtype=torch.int32)
+        self.slots = torch.tensor(slots)
+        qkv = torch.randn(len(lens), HQ + 2 * HKV, D, generator=gen).to(dtype)
+        self.q, self.k, self.v = qkv.split([HQ, HKV, HKV], dim=1)
+        self.caches = [(torch.randn(blocks * PAGE, HKV, D, generator=gen).to(dtype),
+                        torch.randn(blocks * PAGE, HKV, D, generator=gen).to(dtype))
+                       for _ in range(LAYERS)]
+        self.out = torch.empty(len(lens), HQ, D, dtype=dtype)
+        # the K/V bytes the kernel reads per step (positions attended to, both caches)
+        self.bytes = sum(lens) * HKV * D * 2 * self.q.element_size() * LAYERS
+
+    def run(self, module) -> None:
+        for kc, vc in self.caches:
+            module.decode(self.q, kc, vc, self.tables, self.lens, PAGE, D**-0.5, 0, self.k,
+                          self.v, self.slots, None, None, self.out)
+
+
+def _time(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e3
+
+
+def build_at(rev: str) -> object:
+    """The decode kernel's source at git revision `rev`, built as an extension of its own."""
+    source = torch_backend.DECODE.source
+    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"],
+                                        cwd=source.parent, text=True).strip())
+    text = subprocess.check_output(["git", "show", f"{rev}:{source.relative_to(root)}"],
+                                   cwd=root, text=True)
+    path = Path(tempfile.mkdtemp(prefix="decode_kernel_")) / source.name
+    path.write_text(text)
+    module = Extension(path, f"the decode kernel at {rev}").module()
+    assert module is not None, f"the decode kernel at {rev} did not build"
+    return module
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32,bfloat16",
+                        help="comma-separated: float32, bfloat16")
+    parser.add_argument("--layout", default="contiguous,shuffled",
+                        help="comma-separated: contiguous, shuffled, hot")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--against", metavar="REV",
+                        help="also time the kernel's source at this git revision, alternating")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kernels = {"this": torch_backend.cpu_kernels()}
+    assert kernels["this"] is not None, "the CPU decode kernel did not build"
+    if args.against:
+        kernels[args.against] = build_at(args.against)
+    print(f"threads {torch.get_num_threads()}, {args.rounds} rounds, median (best) ms per "
+          f"step of {LAYERS} calls")
+    for dtype_name in args.dtype.split(","):
+        dtype = getattr(torch, dtype_name)
+        for layout in args.layout.split(","):
+            step = Step(dtype, layout)
+            stream = torch.empty(step.bytes // 4, dtype=torch.float32).normal_()
+            results = {name: [] for name in [*kernels, "stream"]}
+            for module in kernels.values():  # warm-up: page faults, OpenMP start
+                step.run(module)
+            for _ in range(args.rounds):
+                for name, module in kernels.items():
+                    results[name].append(_time(lambda m=module, s=step: s.run(m)))
+                results["stream"].append(_time(stream.sum))
+            del stream
+            cells = []
+            for name, times in results.items():
+                med = statistics.median(times)
+                gbs = step.bytes / med / 1e6
+                cells.append(f"{name} {med:.2f} ({min(times):.2f}) {gbs:.1f} GB/s")
+            mb = step.bytes / 1e6
+            print(f"{dtype_name:8} {layout:10} {mb:.0f} MB: " + " | ".join(cells))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
