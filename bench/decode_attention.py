@@ -14,7 +14,10 @@ Beside the kernel it times a plain streaming read of the same number of bytes (a
 both threads, over one contiguous tensor as large as a step's K and V): what this machine's
 memory gives right now, the bound the kernel is measured against. With --against REV the same
 source at that git revision is built as a second extension and the two alternate, round by
-round, in this process (the machine may be shared: compare columns of one run).
+round, in this process (the machine may be shared: compare columns of one run). With --steps
+(and --against) it also times whole decode64 steps of the real SmolLM2 through
+`bench.step_profile` (ModelRunner.forward and the sampler: wall, and the attention backend's
+share), switching the runner's kernel between the two builds round by round.
 """
 
 from __future__ import annotations
@@ -92,6 +95,32 @@ def build_at(rev: str) -> object:
     return module
 
 
+def whole_steps(kernels: dict[str, object], dtype: str, rounds: int, repeats: int) -> None:
+    """decode64 through step_profile with each kernel in turn: median wall and attention ms."""
+    from bench.step_profile import profile_steps
+    from common.modelstore import gguf_source, prepare_model
+    from services.scheduler.model_runner import ModelRunner
+    from services.scheduler.native import NativeKernels
+
+    runner = ModelRunner(prepare_model(None), device="cpu", dtype=dtype,
+                         gguf_path=gguf_source(None), max_total_tokens=64 * 400 + 2048 + 64)
+    walls: dict[str, list[float]] = {name: [] for name in kernels}
+    attention: dict[str, list[float]] = {name: [] for name in kernels}
+    try:
+        for _ in range(rounds):
+            for name, module in kernels.items():
+                torch_backend.DECODE._state = NativeKernels(module=module)
+                # flops and bandwidth only scale the matmul roofline column, unused here
+                prof = profile_steps(runner, ["decode64"], repeats, 1e12, 1e11)[0]
+                walls[name].append(prof.wall_ms)
+                attention[name].append(prof.ms["attention"])
+    finally:
+        torch_backend.DECODE._state = NativeKernels(module=kernels["this"])
+    print(f"decode64 steps, {dtype}, {rounds} rounds of the fastest of {repeats}, median ms: "
+          + " | ".join(f"{name} wall {statistics.median(walls[name]):.2f} attention "
+                       f"{statistics.median(attention[name]):.2f}" for name in kernels))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32,bfloat16",
@@ -100,6 +129,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: contiguous, shuffled, hot")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--steps", action="store_true",
+                        help="also whole decode64 steps of SmolLM2, per --dtype, each kernel")
+    parser.add_argument("--step-rounds", type=int, default=5)
+    parser.add_argument("--step-repeats", type=int, default=5,
+                        help="runs per step and round, the fastest kept (step_profile's)")
+    parser.add_argument("--kernel-rounds", type=int,
+                        help="rounds of the kernel alone (default --rounds; 0: skip them)")
     parser.add_argument("--against", metavar="REV",
                         help="also time the kernel's source at this git revision, alternating")
     args = parser.parse_args(argv)
@@ -113,13 +149,13 @@ def main(argv: list[str] | None = None) -> int:
           f"step of {LAYERS} calls")
     for dtype_name in args.dtype.split(","):
         dtype = getattr(torch, dtype_name)
-        for layout in args.layout.split(","):
+        for layout in args.layout.split(",") if args.kernel_rounds != 0 else []:
             step = Step(dtype, layout)
             stream = torch.empty(step.bytes // 4, dtype=torch.float32).normal_()
             results = {name: [] for name in [*kernels, "stream"]}
             for module in kernels.values():  # warm-up: page faults, OpenMP start
                 step.run(module)
-            for _ in range(args.rounds):
+            for _ in range(args.kernel_rounds or args.rounds):
                 for name, module in kernels.items():
                     results[name].append(_time(lambda m=module, s=step: s.run(m)))
                 results["stream"].append(_time(stream.sum))
@@ -131,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(f"{name} {med:.2f} ({min(times):.2f}) {gbs:.1f} GB/s")
             mb = step.bytes / 1e6
             print(f"{dtype_name:8} {layout:10} {mb:.0f} MB: " + " | ".join(cells))
+        if args.steps:
+            whole_steps(kernels, dtype_name, args.step_rounds, args.step_repeats)
     return 0
 
 
