@@ -433,7 +433,12 @@ void run_dequantized(const float* x, const uint8_t* q, const S* sm, int64_t M, i
           part.p = std::min(ahead.end, ahead.p + b * slice);
           part.end = std::min(ahead.end, part.p + slice);
         }
+        // and the next block's output lines, for writing: each is written once, by one store
+        // at the end of its block, and a store that misses waits for the line from DRAM (the
+        // output of a 2,048-row gate_up is 25 MB, written 48 columns at a time: 8% of its time)
         const int64_t r0 = b * 8;
+        for (int64_t r = r0 + 8; r < std::min(M, r0 + 16); ++r)
+          for (int64_t i = 0; i < nt; ++i) __builtin_prefetch(out + r * N + (t + i) * LANES, 1, 3);
         float_block(nt, block_rows(M - r0), x + r0 * Kp, Kp, wbuf.data(), Kp,
                     out + r0 * N + t * LANES, N, valid, part);
       }
