@@ -160,7 +160,10 @@ struct Heads {
 template <typename T, int D, int G>
 struct Values {
   static void add(const T* __restrict v, const int64_t* off, int n, const float* w, int64_t ld,
-                  float* __restrict acc, Ahead& pf) {
+                  const float* shrink, float* __restrict acc, Ahead& pf) {
+    for (int g = 0; g < G; ++g)
+      if (shrink[g] != 1.f)
+        for (int d = 0; d < D; ++d) acc[g * D + d] *= shrink[g];
     for (int j = 0; j < n; ++j) {
       pf.step();
       const T* __restrict vr = v + off[j];
@@ -266,11 +269,12 @@ inline __m512 load16(const uint16_t* p) {
 // float32 and bfloat16 values alike: the sums of all G heads stay in registers over the rows
 template <typename T, int D, int G>
 inline void add_values512(const T* __restrict v, const int64_t* off, int n, const float* w,
-                          int64_t ld, float* __restrict out, Ahead& pf) {
+                          int64_t ld, const float* shrink, float* __restrict out, Ahead& pf) {
   constexpr int V = D / 16;
   __m512 acc[G][V];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < V; ++c) acc[g][c] = _mm512_loadu_ps(out + g * D + c * 16);
+    for (int c = 0; c < V; ++c)
+      acc[g][c] = _mm512_mul_ps(_mm512_loadu_ps(out + g * D + c * 16), _mm512_set1_ps(shrink[g]));
   for (int j = 0; j < n; ++j) {
     pf.step();
     for (int c = 0; c < V; ++c) {
@@ -286,8 +290,8 @@ inline void add_values512(const T* __restrict v, const int64_t* off, int n, cons
 template <int D, int G>
 struct Values<float, D, G> {
   static void add(const float* v, const int64_t* off, int n, const float* w, int64_t ld,
-                  float* acc, Ahead& pf) {
-    add_values512<float, D, G>(v, off, n, w, ld, acc, pf);
+                  const float* shrink, float* acc, Ahead& pf) {
+    add_values512<float, D, G>(v, off, n, w, ld, shrink, acc, pf);
   }
 };
 
@@ -333,8 +337,8 @@ struct Heads<uint16_t, D, G> {
 template <int D, int G>
 struct Values<uint16_t, D, G> {
   static void add(const uint16_t* v, const int64_t* off, int n, const float* w, int64_t ld,
-                  float* acc, Ahead& pf) {
-    add_values512<uint16_t, D, G>(v, off, n, w, ld, acc, pf);
+                  const float* shrink, float* acc, Ahead& pf) {
+    add_values512<uint16_t, D, G>(v, off, n, w, ld, shrink, acc, pf);
   }
 };
 
@@ -344,11 +348,15 @@ constexpr bool kFastBf16 = false;
 #endif  // TOKENLINE_AVX512_BF16
 
 // Folds one head's scores s[0..n) of a tile into its running max m and sum l: s becomes the
-// weights e^(s - m), and acc [D] shrinks by e^(m_old - m) when the max rose.
-inline void fold_scores(float* __restrict s, int n, float& m, float& l, float* __restrict acc,
-                        int64_t D) {
+// weights e^(s - m); returned is the factor e^(m_old - m) by which its sum of values must
+// shrink (the max rose).
+inline float fold_scores(float* __restrict s, int n, float& m, float& l) {
   float mx = m;
+#ifdef TOKENLINE_AVX512
+  mx = std::max(mx, _mm512_mask_reduce_max_ps(first_lanes(n), _mm512_loadu_ps(s)));
+#else
   for (int j = 0; j < n; ++j) mx = std::max(mx, s[j]);
+#endif
   const float shrink = mx == m ? 1.f : m == kNoMax ? 0.f : std::exp(m - mx);
   float sum = 0.f;
 #ifdef TOKENLINE_AVX512
@@ -365,8 +373,7 @@ inline void fold_scores(float* __restrict s, int n, float& m, float& l, float* _
 #endif
   l = l * shrink + sum;
   m = mx;
-  if (shrink != 1.f)
-    for (int64_t d = 0; d < D; ++d) acc[d] *= shrink;
+  return shrink;
 }
 
 // Where a core reads next once this piece is done: the first tile of the piece it took next
@@ -379,7 +386,7 @@ struct Span {
 // Positions [t0, t1) of one request, every head, folded into `r` (the request's Hq heads, kv
 // head h's G of them at r.m + h * G, ...), a tile of up to 16 positions at a time: the tile's
 // keys scored for every head, one softmax fold per query head, then the tile's values; `s` is
-// room for Hq * kTile scores.
+// room for Hq * (kTile + 1) floats.
 //
 // Blocks sit anywhere in the pool, so neither the hardware prefetcher (which stops at 4 KiB
 // pages and needs a few misses to start) nor out-of-order execution has the next rows in
@@ -396,6 +403,7 @@ void attend_piece(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
                   float scale, const Running& r, float* s, Span next) {
   const int64_t row = Hkv * D, Hq = Hkv * G;
   const int64_t row_bytes = row * static_cast<int64_t>(sizeof(T));
+  float* shrink = s + Hq * kTile;  // [Hq] each head's factor for its sum of values
   alignas(64) int64_t off[kTile], coming[kTile];
   for (int64_t j = t0; j < t1; j += kTile) {
     const int n = static_cast<int>(std::min<int64_t>(kTile, t1 - j));
@@ -412,11 +420,11 @@ void attend_piece(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
       heads.scores(kc + h * D, off, n, scale, s + h * G * kTile, kTile, values_ahead);
     }
     for (int64_t hq = 0; hq < Hq; ++hq)
-      fold_scores(s + hq * kTile, n, r.m[hq], r.l[hq], r.acc + hq * D, D);
+      shrink[hq] = fold_scores(s + hq * kTile, n, r.m[hq], r.l[hq]);
     Ahead keys_ahead(kc, coming, nc, sizeof(T), row_bytes, n * Hkv);
     for (int64_t h = 0; h < Hkv; ++h)
-      Values<T, D, G>::add(vc + h * D, off, n, s + h * G * kTile, kTile, r.acc + h * G * D,
-                           keys_ahead);
+      Values<T, D, G>::add(vc + h * D, off, n, s + h * G * kTile, kTile, shrink + h * G,
+                           r.acc + h * G * D, keys_ahead);
   }
 }
 
@@ -554,7 +562,7 @@ void attend(const Step& s, const T* q, const T* kc, const T* vc, T* out, PieceFn
   // first keys while it finishes this one
   auto work = [&](int64_t, int64_t) {
     std::vector<float> mine(static_cast<size_t>(stride));
-    std::vector<float> scores(static_cast<size_t>(Hq * kTile));
+    std::vector<float> scores(static_cast<size_t>(Hq * (kTile + 1)));
     int64_t i = next.fetch_add(1, std::memory_order_relaxed);
     while (i < count) {
       const int64_t after = next.fetch_add(1, std::memory_order_relaxed);
