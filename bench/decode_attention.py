@@ -43,9 +43,10 @@ CONTEXTS = [128 + (256 * b) // 63 for b in range(64)]  # step_profile's decode64
 
 
 class Step:
-    """Tables, lengths, q/k/v rows and LAYERS pairs of caches for one decode step."""
+    """Tables, lengths, q/k/v rows and `layers` pairs of caches for one decode step."""
 
-    def __init__(self, dtype: torch.dtype, layout: str, seed: int = 0) -> None:
+    def __init__(self, dtype: torch.dtype, layout: str, layers: int = LAYERS,
+                 seed: int = 0) -> None:
         gen = torch.Generator().manual_seed(seed)
         lens = [c + 1 for c in CONTEXTS]
         need = [-(-n // PAGE) for n in lens]
@@ -64,10 +65,10 @@ class Step:
         self.q, self.k, self.v = qkv.split([HQ, HKV, HKV], dim=1)
         self.caches = [(torch.randn(blocks * PAGE, HKV, D, generator=gen).to(dtype),
                         torch.randn(blocks * PAGE, HKV, D, generator=gen).to(dtype))
-                       for _ in range(LAYERS)]
+                       for _ in range(layers)]
         self.out = torch.empty(len(lens), HQ, D, dtype=dtype)
         # the K/V bytes the kernel reads per step (positions attended to, both caches)
-        self.bytes = sum(lens) * HKV * D * 2 * self.q.element_size() * LAYERS
+        self.bytes = sum(lens) * HKV * D * 2 * self.q.element_size() * layers
 
     def run(self, module) -> None:
         for kc, vc in self.caches:
@@ -129,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: contiguous, shuffled, hot")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--layers", type=int, default=LAYERS, help="calls (layers) per step")
     parser.add_argument("--steps", action="store_true",
                         help="also whole decode64 steps of SmolLM2, per --dtype, each kernel")
     parser.add_argument("--step-rounds", type=int, default=5)
@@ -146,11 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.against:
         kernels[args.against] = build_at(args.against)
     print(f"threads {torch.get_num_threads()}, {args.rounds} rounds, median (best) ms per "
-          f"step of {LAYERS} calls")
+          f"step of {args.layers} calls")
     for dtype_name in args.dtype.split(","):
         dtype = getattr(torch, dtype_name)
         for layout in args.layout.split(",") if args.kernel_rounds != 0 else []:
-            step = Step(dtype, layout)
+            step = Step(dtype, layout, args.layers)
             stream = torch.empty(step.bytes // 4, dtype=torch.float32).normal_()
             results = {name: [] for name in [*kernels, "stream"]}
             for module in kernels.values():  # warm-up: page faults, OpenMP start

@@ -1,0 +1,43 @@
+"""`python -m bench.decode_attention`: a row per dtype and layout, the kernel and the read timed."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from bench import decode_attention
+from services.scheduler.attention.torch_backend import native_kernels
+
+
+def test_the_table_has_a_row_per_dtype_and_layout(capsys):
+    if native_kernels().missing:  # nothing to time without the kernel
+        pytest.skip(f"{native_kernels().missing}: no C++ decode kernel to time")
+    assert decode_attention.main(["--layers", "2", "--rounds", "1",
+                                 "--layout", "contiguous,shuffled,hot"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines()
+            if re.match(r"(float32|bfloat16) +(contiguous|shuffled|hot) ", line)]
+    assert len(rows) == 2 * 3
+    for row in rows:
+        speeds = [float(x) for x in re.findall(r"([\d.]+) GB/s", row)]
+        assert len(speeds) == 2 and all(x > 0 for x in speeds)  # the kernel, the plain read
+
+
+def test_a_step_reads_each_request_once_from_its_own_blocks():
+    """The layouts: contiguous blocks one after another, shuffled ones a permutation of the
+    same pool, hot ones shared by every request; the byte count is what the kernel reads."""
+    import torch
+
+    lens = [c + 1 for c in decode_attention.CONTEXTS]
+    need = [-(-n // decode_attention.PAGE) for n in lens]
+    for layout in ("contiguous", "shuffled", "hot"):
+        step = decode_attention.Step(torch.float32, layout, layers=1)
+        used = [step.tables[b, : need[b]].tolist() for b in range(len(lens))]
+        flat = [x for blocks in used for x in blocks]
+        if layout == "hot":
+            assert all(blocks == list(range(len(blocks))) for blocks in used)
+        else:
+            assert len(set(flat)) == len(flat) == sum(need)  # no block shared
+        if layout == "contiguous":
+            assert flat == list(range(sum(need)))
+        assert step.bytes == sum(lens) * 3 * 64 * 2 * 4
