@@ -82,17 +82,18 @@ def _time(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def build_at(rev: str) -> object:
-    """The decode kernel's source at git revision `rev`, built as an extension of its own."""
-    source = torch_backend.DECODE.source
+def build_at(rev: str, kernel: Extension = torch_backend.DECODE) -> object:
+    """A kernel's source (the decode kernel's unless told) at git revision `rev`, built as an
+    extension of its own."""
+    source = kernel.source
     root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"],
                                         cwd=source.parent, text=True).strip())
     text = subprocess.check_output(["git", "show", f"{rev}:{source.relative_to(root)}"],
                                    cwd=root, text=True)
-    path = Path(tempfile.mkdtemp(prefix="decode_kernel_")) / source.name
+    path = Path(tempfile.mkdtemp(prefix=f"{source.stem}_")) / source.name
     path.write_text(text)
-    module = Extension(path, f"the decode kernel at {rev}").module()
-    assert module is not None, f"the decode kernel at {rev} did not build"
+    module = Extension(path, f"{kernel.what} at {rev}").module()
+    assert module is not None, f"{kernel.what} at {rev} did not build"
     return module
 
 

@@ -18,8 +18,11 @@ per --quantization and --dtype. With --from-memory it also times one decode step
 distinct weights for every layer (30 of each projection and the lm_head, as the model holds
 them), so the weights stream from DRAM as in a real step rather than from the caches the
 per-shape table repeats them in: milliseconds and the weight bytes read per second, the
-number to hold against the machine's bandwidth at batch 1. The machine it ran on may be
-shared: compare the columns of one run, not numbers of different runs.
+number to hold against the machine's bandwidth at batch 1. With --against REV our int8/int4
+columns are also timed with quant_cpu.cpp as it was at git revision REV (built as an extension
+of its own, the same weights), alternating in this process: a change's before and after in one
+table. The machine it ran on may be shared: compare the columns of one run, not numbers of
+different runs.
 """
 
 from __future__ import annotations
@@ -57,6 +60,16 @@ def _time(fn: Callable[[], object], min_s: float) -> float:
     return min(times)
 
 
+AGAINST: dict[str, object] = {}  # --against: revision -> quant_cpu.cpp's module built from it
+
+
+def _at(module: object, packed: quant.Int8Linear | quant.Int4Linear) -> Callable:
+    """x -> out through `module`'s kernel for our packed weight."""
+    fn = module.int8_linear if isinstance(packed, quant.Int8Linear) else module.int4_linear
+    return lambda x: quant._native_matmul(fn, x, packed.tiles, packed.scale_min,
+                                          packed.out_features, packed.in_features)
+
+
 def _candidates(weight: torch.Tensor) -> dict[str, tuple[Callable, torch.dtype]]:
     """Each kernel as (x -> out, the activation dtype it takes)."""
     f32 = onednn_pack(weight)
@@ -65,7 +78,7 @@ def _candidates(weight: torch.Tensor) -> dict[str, tuple[Callable, torch.dtype]]
     ours8, ours4 = int8.pack(), int4.pack()
     torch8 = quant.TorchInt8Linear.quantize(weight)
     torch4 = quant.TorchInt4Linear.from_plain(int4)
-    return {
+    kernels = {
         "f32_onednn": (lambda x: onednn_linear(x, f32, None), torch.float32),
         "bf16_onednn": (lambda x: onednn_linear(x, bf16, None), torch.float32),
         "int8_ours": (ours8.matmul, torch.float32),
@@ -73,6 +86,10 @@ def _candidates(weight: torch.Tensor) -> dict[str, tuple[Callable, torch.dtype]]
         "int8_torch": (torch8.matmul, torch.bfloat16),
         "int4_torch": (torch4.matmul, torch.bfloat16),
     }
+    for rev, module in AGAINST.items():
+        kernels[f"int8_{rev}"] = (_at(module, ours8), torch.float32)
+        kernels[f"int4_{rev}"] = (_at(module, ours4), torch.float32)
+    return kernels
 
 
 def run(batches: list[int], min_s: float) -> dict:
@@ -113,6 +130,8 @@ def from_memory(batches: list[int], rounds: int = 4) -> dict:
     weights = {"f32_onednn": (f32, 4 * sum(n * k for n, k in layers)),
                "int8_ours": (int8, sum(q.nbytes for q in int8)),
                "int4_ours": (int4, sum(q.nbytes for q in int4))}
+    for rev in AGAINST:
+        weights[f"int8_{rev}"], weights[f"int4_{rev}"] = weights["int8_ours"], weights["int4_ours"]
     ks = [k for _, k in layers]
 
     def f32_step(xs: dict) -> None:
@@ -123,11 +142,18 @@ def from_memory(batches: list[int], rounds: int = 4) -> dict:
         for k, q in zip(ks, qs, strict=True):
             q.matmul(xs[k])
 
+    def rev_step(xs: dict, fns: list) -> None:
+        for k, fn in zip(ks, fns, strict=True):
+            fn(xs[k])
+
     out: dict = {}
     for batch in batches:
         xs = {k: torch.randn(batch, k) for k in set(ks)}
         steps = {"f32_onednn": partial(f32_step, xs), "int8_ours": partial(quant_step, xs, int8),
                  "int4_ours": partial(quant_step, xs, int4)}
+        for rev, module in AGAINST.items():
+            steps[f"int8_{rev}"] = partial(rev_step, xs, [_at(module, q) for q in int8])
+            steps[f"int4_{rev}"] = partial(rev_step, xs, [_at(module, q) for q in int4])
         best = dict.fromkeys(steps, float("inf"))
         for _ in range(rounds):
             for name, step in steps.items():
@@ -181,10 +207,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=256, help="--steps: tokens per request")
     parser.add_argument("--from-memory", action="store_true",
                         help="also time a step's matmuls over distinct weights per layer (DRAM)")
+    parser.add_argument("--against", metavar="REV",
+                        help="also time our kernels as quant_cpu.cpp was at this git revision")
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.against:
+        from bench.decode_attention import build_at
+
+        AGAINST[args.against] = build_at(args.against, quant.KERNELS)
     table = run(args.batches, args.min_seconds)
     if args.steps:
         table["decode_step_ms"] = decode_steps(args.batches, args.context, args.min_seconds)
