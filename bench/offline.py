@@ -46,6 +46,7 @@ from typing import Any
 # shared 2-core machine that made each system here 10-50x slower. Sleeping waiters cost little
 # on an idle machine. It reaches `tokenline serve` under --with-stack through the environment.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # services/scheduler/__main__.py says why
 
 import torch  # noqa: E402
 

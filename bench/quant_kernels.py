@@ -35,6 +35,7 @@ from collections.abc import Callable
 from functools import partial
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/offline.py
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # services/scheduler/__main__.py says why
 
 import torch  # noqa: E402
 

@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/offline.py
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # services/scheduler/__main__.py says why
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402

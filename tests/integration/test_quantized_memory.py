@@ -4,6 +4,7 @@ most 20% (the real SmolLM2, each in a fresh process, as the scheduler service lo
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -42,8 +43,10 @@ print(json.dumps({"rss_growth": rss() - before, "weight_bytes": info["weight_byt
 def loaded() -> dict[str, dict]:
     out = {}
     for q in ("none", "int8", "int4"):
+        # the scheduler's own environment: huge pages for large tensors (its __main__ sets it)
+        env = {**os.environ, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
         run = subprocess.run([sys.executable, "-c", SCRIPT, q], cwd=REPO, capture_output=True,
-                             text=True, timeout=600, check=True)
+                             text=True, timeout=600, check=True, env=env)
         out[q] = json.loads(run.stdout.strip().splitlines()[-1])
     return out
 
