@@ -44,7 +44,6 @@ namespace {
 
 constexpr int64_t LANES = 16;   // output channels per tile
 constexpr int64_t GROUP = 32;   // k values per scale
-constexpr int64_t ROW_CHUNK = 64;  // batch rows whose activations stay in cache across tiles
 // from this many rows tiles are dequantized into float32 once per call (run_dequantized)
 constexpr int64_t DEQUANT_ROWS = 16;
 // below this many rows quant_tile takes the scale and minimum out of the k loop
@@ -359,28 +358,25 @@ void float_block(int64_t nt, int64_t R, const float* x, int64_t ldx, const float
 // Batch rows are taken in blocks of 8, then whatever is left (1-7), in both paths.
 inline int64_t block_rows(int64_t left) { return std::min<int64_t>(left, 8); }
 
-// A chunk of rows > 1 rows of x [rows][Kp] into blocks of R rows interleaved per k ([Kp][R]):
-// a tile then reads the R values of one k from one place (one pointer, constant offsets)
-// instead of from R rows. Below DEQUANT_ROWS also each row's sum per group (xsum [G][R] per
-// block, for quant_tile's factored form).
+// 2 to DEQUANT_ROWS - 1 rows of x [rows][Kp] into blocks of R rows interleaved per k
+// ([Kp][R]): a tile then reads the R values of one k from one place (one pointer, constant
+// offsets) instead of from R rows; also each row's sum per group (xsum [G][R] per block, for
+// quant_tile's factored form). A few KiB: on the calling thread.
 void pack_rows(const float* x, int64_t rows, int64_t Kp, float* packed, float* xsum) {
   const int64_t G = Kp / GROUP;
-  at::parallel_for(0, (rows + 7) / 8, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t r0 = b0 * 8; r0 < std::min(rows, b1 * 8); r0 += 8) {
-      const int64_t R = block_rows(rows - r0);
-      const float* src = x + r0 * Kp;
-      float* dst = packed + r0 * Kp;
-      for (int64_t k = 0; k < Kp; ++k)
-        for (int64_t r = 0; r < R; ++r) dst[k * R + r] = src[r * Kp + k];
-      if (rows >= DEQUANT_ROWS) continue;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t r = 0; r < R; ++r) {
-          float sum = 0;
-          for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) sum += src[r * Kp + k];
-          xsum[r0 * G + g * R + r] = sum;
-        }
-    }
-  });
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    const int64_t R = block_rows(rows - r0);
+    const float* src = x + r0 * Kp;
+    float* dst = packed + r0 * Kp;
+    for (int64_t k = 0; k < Kp; ++k)
+      for (int64_t r = 0; r < R; ++r) dst[k * R + r] = src[r * Kp + k];
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < R; ++r) {
+        float sum = 0;
+        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) sum += src[r * Kp + k];
+        xsum[r0 * G + g * R + r] = sum;
+      }
+  }
 }
 
 // From DEQUANT_ROWS rows: the tiles in groups of FLOAT_TILES, each dequantized once per call
@@ -447,11 +443,10 @@ void run_dequantized(const float* x, const uint8_t* q, const S* sm, int64_t M, i
   });
 }
 
-// Below DEQUANT_ROWS (from there run_dequantized):
-// batch rows in chunks of 64, each packed once (pack_rows), then the tiles split across
-// threads: each thread walks its tiles once per chunk, so a chunk's activations are read from
-// cache for every tile. Scratch buffers are kept per thread across calls (no allocation, no
-// page faults per call).
+// Below DEQUANT_ROWS (from there run_dequantized): the rows packed once (pack_rows), then the
+// tiles split across threads (or all on the calling thread: ONE_THREAD_BYTES), each tile
+// against every row, whose activations stay in cache. Scratch buffers are kept per thread
+// across calls (no allocation, no page faults per call).
 template <typename C, typename S>
 torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
                   int64_t N, int64_t q_per_tile) {
@@ -467,37 +462,31 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     return out;
   }
   thread_local std::vector<float> packed, xsum;
-  const int64_t chunk = std::min(M, ROW_CHUNK);
-  if (static_cast<int64_t>(packed.size()) < chunk * Kp) packed.resize(chunk * Kp);
-  if (static_cast<int64_t>(xsum.size()) < chunk * G) xsum.resize(chunk * G);
-  for (int64_t m0 = 0; m0 < M; m0 += ROW_CHUNK) {
-    const int64_t rows = std::min(ROW_CHUNK, M - m0);
-    const float* xs = xp + m0 * Kp;
-    if (rows > 1) {
-      pack_rows(xs, rows, Kp, packed.data(), xsum.data());
-      xs = packed.data();
-    } else {
-      for (int64_t g = 0; g < G; ++g) {
-        float sum = 0;
-        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) sum += xs[k];
-        xsum[g] = sum;
-      }
+  if (static_cast<int64_t>(packed.size()) < M * Kp) packed.resize(M * Kp);
+  if (static_cast<int64_t>(xsum.size()) < M * G) xsum.resize(M * G);
+  const float* xs = xp;
+  if (M > 1) {
+    pack_rows(xp, M, Kp, packed.data(), xsum.data());
+    xs = packed.data();
+  } else {
+    for (int64_t g = 0; g < G; ++g) {
+      float sum = 0;
+      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) sum += xp[k];
+      xsum[g] = sum;
     }
-    const float* sums = xsum.data();
-    float* oc = op + m0 * N;
-    // 1-3 rows of a weight under ONE_THREAD_BYTES run on the calling thread (grain T): see there
-    const int64_t wbytes = T * (q_per_tile + s_per_tile * static_cast<int64_t>(sizeof(S)));
-    const bool one_thread = rows < FACTORED_ROWS && rows * wbytes <= ONE_THREAD_BYTES;
-    at::parallel_for(0, T, one_thread ? T : 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int valid = static_cast<int>(std::min(LANES, N - t * LANES));
-        for (int64_t r0 = 0; r0 < rows; r0 += block_rows(rows - r0))
-          tile_block<C, S>(block_rows(rows - r0), xs + r0 * Kp, sums + r0 * G,
-                           qp + t * q_per_tile, sp + t * s_per_tile, G, oc + r0 * N + t * LANES,
-                           N, valid);
-      }
-    });
   }
+  const float* sums = xsum.data();
+  // 1-3 rows of a weight under ONE_THREAD_BYTES run on the calling thread (grain T): see there
+  const int64_t wbytes = T * (q_per_tile + s_per_tile * static_cast<int64_t>(sizeof(S)));
+  const bool one_thread = M < FACTORED_ROWS && M * wbytes <= ONE_THREAD_BYTES;
+  at::parallel_for(0, T, one_thread ? T : 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int valid = static_cast<int>(std::min(LANES, N - t * LANES));
+      for (int64_t r0 = 0; r0 < M; r0 += block_rows(M - r0))
+        tile_block<C, S>(block_rows(M - r0), xs + r0 * Kp, sums + r0 * G, qp + t * q_per_tile,
+                         sp + t * s_per_tile, G, op + r0 * N + t * LANES, N, valid);
+    }
+  });
   return out;
 }
 
