@@ -358,6 +358,17 @@ void float_block(int64_t nt, int64_t R, const float* x, int64_t ldx, const float
 // Batch rows are taken in blocks of 8, then whatever is left (1-7), in both paths.
 inline int64_t block_rows(int64_t left) { return std::min<int64_t>(left, 8); }
 
+// Each of R rows' sum per group of 32 (xsum [G][R]): quant_tile's factored form takes the
+// minimum times it once per group.
+inline void group_sums(const float* x, int64_t R, int64_t Kp, float* xsum) {
+  for (int64_t g = 0; g < Kp / GROUP; ++g)
+    for (int64_t r = 0; r < R; ++r) {
+      float sum = 0;
+      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) sum += x[r * Kp + k];
+      xsum[g * R + r] = sum;
+    }
+}
+
 // 2 to DEQUANT_ROWS - 1 rows of x [rows][Kp] into blocks of R rows interleaved per k
 // ([Kp][R]): a tile then reads the R values of one k from one place (one pointer, constant
 // offsets) instead of from R rows; also each row's sum per group (xsum [G][R] per block, for
@@ -370,12 +381,7 @@ void pack_rows(const float* x, int64_t rows, int64_t Kp, float* packed, float* x
     float* dst = packed + r0 * Kp;
     for (int64_t k = 0; k < Kp; ++k)
       for (int64_t r = 0; r < R; ++r) dst[k * R + r] = src[r * Kp + k];
-    for (int64_t g = 0; g < G; ++g)
-      for (int64_t r = 0; r < R; ++r) {
-        float sum = 0;
-        for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) sum += src[r * Kp + k];
-        xsum[r0 * G + g * R + r] = sum;
-      }
+    group_sums(src, R, Kp, xsum + r0 * G);
   }
 }
 
@@ -469,11 +475,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     pack_rows(xp, M, Kp, packed.data(), xsum.data());
     xs = packed.data();
   } else {
-    for (int64_t g = 0; g < G; ++g) {
-      float sum = 0;
-      for (int64_t k = g * GROUP; k < (g + 1) * GROUP; ++k) sum += xp[k];
-      xsum[g] = sum;
-    }
+    group_sums(xp, 1, Kp, xsum.data());
   }
   const float* sums = xsum.data();
   // 1-3 rows of a weight under ONE_THREAD_BYTES run on the calling thread (grain T): see there
