@@ -39,6 +39,16 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _signal_hint(proc: subprocess.Popen) -> str:
+    """llama.cpp's AMX kernels (build 11434) die with SIGILL or SIGSEGV during warm-up on a
+    Xeon VM whose kernel gives the process no AMX tile state; weight repacking off skips them."""
+    if "llama-server" in str(proc.args[0]) and proc.returncode in (-4, -11) and (
+            os.environ.get("LLAMA_ARG_REPACK") is None):
+        return ("\n(killed by a signal: on a CPU with AMX, llama.cpp's AMX kernels can fault; "
+                "LLAMA_ARG_REPACK=0 in the environment turns them off)")
+    return ""
+
+
 def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None,
                  log_path: Path | str | None = None, path: str = "/health") -> None:
     """Poll `url + path` until it answers 200; fail early if `proc` exits."""
@@ -46,7 +56,8 @@ def wait_healthy(url: str, timeout: float, proc: subprocess.Popen | None = None,
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             tail = Path(log_path).read_text(errors="replace")[-3000:] if log_path else ""
-            raise RuntimeError(f"{_name(proc)} exited with {proc.returncode}:\n{tail}")
+            raise RuntimeError(f"{_name(proc)} exited with {proc.returncode}:\n{tail}"
+                               f"{_signal_hint(proc)}")
         try:
             with urllib.request.urlopen(url + path, timeout=1) as resp:
                 if resp.status == 200:

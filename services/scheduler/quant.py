@@ -36,6 +36,8 @@ On CUDA the quantized weights are dequantized once at load to the model dtype (s
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -464,10 +466,14 @@ class QuantSummary:
     kernel: str = "native"  # "native" (ours, float32), "torch" (bfloat16) or "dequantized"
     from_file: int = 0  # layers whose codes came from the GGUF as they are
     at_load: int = 0  # layers quantized at load from their float weights
+    small_calls: str = ""  # calibrate_small_calls: the threads a 1-3 row call runs on, and why
 
     def as_dict(self) -> dict:
-        return {"mode": self.mode, "kernel": self.kernel, "layers_from_file": self.from_file,
-                "layers_quantized_at_load": self.at_load}
+        out = {"mode": self.mode, "kernel": self.kernel, "layers_from_file": self.from_file,
+               "layers_quantized_at_load": self.at_load}
+        if self.small_calls:
+            out["small_calls"] = self.small_calls
+        return out
 
 
 def _matches(plain: Plain, weight: torch.Tensor) -> bool:
@@ -533,4 +539,51 @@ def quantize_model(model: nn.Module, mode: str, gguf: GGUFWeights | None, *,
     embed.weight = None
     if model.lm_head is not None:
         model.lm_head.weight = None
+    if summary.kernel == "native":
+        summary.small_calls = calibrate_small_calls(
+            [m.quantized for m in model.modules() if isinstance(m, Linear) and
+             m.quantized is not None] + [model.lm_quantized])
     return summary
+
+
+ONE_THREAD_BYTES = 64 << 20  # quant_cpu.cpp's default limit for a 1-3 row call on one thread
+
+
+def calibrate_small_calls(layers: list, rounds: int = 3) -> str:
+    """Time a batch-1 pass over `layers` (the model's quantized matmuls, each its own weight, so
+    read from memory as in a decode step) with 1-3 row calls on the calling thread and on every
+    thread, alternating `rounds` times, and keep the faster. Which wins is the machine's: one
+    core streamed nearly both cores' bandwidth on one CPU here (one thread won by a quarter)
+    and two thirds of it on another (two threads won by a third). TOKENLINE_QUANT_SMALL_CALLS
+    = one|all skips the measurement. Returns what was chosen, for the start-up log."""
+    module = KERNELS.module()
+    forced = os.environ.get("TOKENLINE_QUANT_SMALL_CALLS", "auto")
+    if forced not in ("auto", "one", "all"):
+        raise ValueError(f"TOKENLINE_QUANT_SMALL_CALLS must be auto, one or all, not {forced!r}")
+    layers = [q for q in layers if isinstance(q, (Int8Linear, Int4Linear))]
+    if forced != "auto" or torch.get_num_threads() == 1 or not layers:
+        choice = "all" if forced == "all" else "one"
+        module.set_one_thread_bytes(ONE_THREAD_BYTES if choice == "one" else 0)
+        why = "set" if forced != "auto" else "one thread" if layers else "no native layers"
+        return f"{choice} thread{'s' if choice == 'all' else ''} ({why})"
+    inputs = {}
+    for q in layers:
+        inputs.setdefault(q.in_features, torch.randn(1, q.in_features))
+
+    def one_pass() -> float:
+        start = time.perf_counter()
+        for q in layers:
+            q.matmul(inputs[q.in_features])
+        return time.perf_counter() - start
+
+    best = {"one": float("inf"), "all": float("inf")}
+    for _ in range(rounds):
+        for choice, limit in (("one", ONE_THREAD_BYTES), ("all", 0)):
+            module.set_one_thread_bytes(limit)
+            one_pass()  # the first pass of a setting wakes (or parks) the pool's threads
+            best[choice] = min(best[choice], one_pass())
+    choice = min(best, key=best.get)
+    module.set_one_thread_bytes(ONE_THREAD_BYTES if choice == "one" else 0)
+    return (f"{choice} thread{'s' if choice == 'all' else ''} (a batch-1 pass of the weights: "
+            f"one thread {best['one'] * 1e3:.2f} ms, all {torch.get_num_threads()} threads "
+            f"{best['all'] * 1e3:.2f} ms)")

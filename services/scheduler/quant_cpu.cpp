@@ -48,14 +48,17 @@ constexpr int64_t GROUP = 32;   // k values per scale
 constexpr int64_t DEQUANT_ROWS = 16;
 // below this many rows quant_tile takes the scale and minimum out of the k loop
 constexpr int64_t FACTORED_ROWS = 4;
-// With 1-3 rows a call is a stream of weight bytes with one or two FMAs per code, and one core
-// with the prefetches below streams about 39 GB/s, near the two cores' 44: a second thread adds
-// little bandwidth, and waking it (the passive OpenMP wait policy, a futex) costs microseconds
-// in each of a step's 121 calls, more whenever another process holds its core. Measured
-// (bench.quant_kernels --from-memory, a batch-1 step's matmuls, shared machine): one thread
-// int8 3.9-4.6 ms, int4 2.8-3.2, against two threads' 5.2 / 4.1. Calls of 1-3 rows up to this
-// many weight bytes (rows x bytes: SmolLM2's int8 lm_head is 31 MB) run on the calling thread.
-constexpr int64_t ONE_THREAD_BYTES = int64_t{64} << 20;
+// With 1-3 rows a call is a stream of weight bytes with one or two FMAs per code. Where one
+// core streams near what both do (a Zen-5 class EPYC here: 35-39 GB/s against 44, with the
+// prefetches below), a second thread adds little bandwidth, and waking it (the passive OpenMP
+// wait policy, a futex) costs microseconds in each of a step's 121 calls: there one thread ran
+// a batch-1 step's matmuls in int8 3.9-4.6 ms, int4 2.8-3.2, against two threads' 5.2 / 4.1.
+// Where one core streams far less than two (a Xeon VM here: 9 against 13.4 GB/s) the second
+// thread wins by a third. So calls of 1-3 rows up to `one_thread_bytes` weight bytes (rows x
+// bytes: SmolLM2's int8 lm_head is 31 MB) run on the calling thread, and the Python side
+// measures both on the loaded model's weights and sets the limit (0: never one thread; see
+// quant.calibrate_small_calls).
+std::atomic<int64_t> one_thread_bytes{int64_t{64} << 20};
 
 // Weight bytes [p, end) to ask for while a block of rows runs from the buffers (the next tile
 // group's codes, in DRAM when the layer is not in cache), `per_step` cache lines per 4 k.
@@ -450,7 +453,7 @@ void run_dequantized(const float* x, const uint8_t* q, const S* sm, int64_t M, i
 }
 
 // Below DEQUANT_ROWS (from there run_dequantized): the rows packed once (pack_rows), then the
-// tiles split across threads (or all on the calling thread: ONE_THREAD_BYTES), each tile
+// tiles split across threads (or all on the calling thread: one_thread_bytes), each tile
 // against every row, whose activations stay in cache. Scratch buffers are kept per thread
 // across calls (no allocation, no page faults per call).
 template <typename C, typename S>
@@ -478,9 +481,10 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
     group_sums(xp, 1, Kp, xsum.data());
   }
   const float* sums = xsum.data();
-  // 1-3 rows of a weight under ONE_THREAD_BYTES run on the calling thread (grain T): see there
+  // 1-3 rows of a weight under one_thread_bytes run on the calling thread (grain T): see there
   const int64_t wbytes = T * (q_per_tile + s_per_tile * static_cast<int64_t>(sizeof(S)));
-  const bool one_thread = M < FACTORED_ROWS && M * wbytes <= ONE_THREAD_BYTES;
+  const bool one_thread = M < FACTORED_ROWS &&
+                          M * wbytes <= one_thread_bytes.load(std::memory_order_relaxed);
   at::parallel_for(0, T, one_thread ? T : 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int valid = static_cast<int>(std::min(LANES, N - t * LANES));
@@ -530,6 +534,12 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
   return linear<Int4Codes>(x, q, scale_min, N, 2);
 }
 
+// The limit under which 1-3 row calls run on the calling thread; returns the previous one.
+int64_t set_one_thread_bytes(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0, "one_thread_bytes must be >= 0");
+  return one_thread_bytes.exchange(bytes, std::memory_order_relaxed);
+}
+
 bool vectorized() {
 #ifdef __AVX512F__
   return true;
@@ -543,5 +553,7 @@ bool vectorized() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x @ w.T for int8 group-32 weight tiles (float32, CPU)");
   m.def("int4_linear", &int4_linear, "x @ w.T for int4 group-32 scale+min weight tiles");
+  m.def("set_one_thread_bytes", &set_one_thread_bytes,
+        "weight bytes x rows under which 1-3 row calls stay on the calling thread (0: never)");
   m.def("vectorized", &vectorized, "whether the AVX512 tiles were compiled in");
 }

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import platform
+import re
 
 import gguf
 import numpy as np
@@ -74,6 +75,55 @@ def test_kernel_matches_dequantize_reference(form, batch, shape):
     lo = plain.minimum.abs().repeat_interleave(32, dim=1)[:, : shape[1]]
     assert ((deq - w).abs() <= step / 2 + lo * 2**-11 + 1e-7).all()
     assert plain.codes.max() <= form.LEVELS
+
+
+@pytest.fixture
+def restore_small_calls():
+    yield
+    quant.KERNELS.module().set_one_thread_bytes(quant.ONE_THREAD_BYTES)
+
+
+@pytest.mark.parametrize("form", [quant.Int8Plain, quant.Int4Plain], ids=["int8", "int4"])
+def test_small_calls_on_one_thread_or_all_give_the_same_numbers(form, restore_small_calls):
+    """1-3 row calls run on the calling thread or split by tiles over the pool (as
+    calibrate_small_calls chose): each tile is the same arithmetic either way, bit for bit."""
+    torch.manual_seed(5)
+    kernel = form.quantize(torch.randn(200, 576) * 0.05).pack()
+    module = quant.KERNELS.module()
+    for batch in (1, 2, 3):
+        x = torch.randn(batch, 576)
+        assert module.set_one_thread_bytes(quant.ONE_THREAD_BYTES) >= 0
+        one = kernel.matmul(x)
+        module.set_one_thread_bytes(0)
+        split = kernel.matmul(x)
+        assert torch.equal(one, split)
+    with pytest.raises(RuntimeError, match="must be >= 0"):
+        module.set_one_thread_bytes(-1)
+
+
+def test_calibration_keeps_the_faster_setting_or_the_one_asked_for(restore_small_calls,
+                                                                    monkeypatch):
+    torch.manual_seed(6)
+    layers = [quant.Int8Plain.quantize(torch.randn(512, 576) * 0.05).pack() for _ in range(4)]
+    module = quant.KERNELS.module()
+    said = quant.calibrate_small_calls(layers, rounds=2)
+    if torch.get_num_threads() > 1:
+        # the numbers it measured, and the limit it left set is the one its words say
+        one, every = (float(v) for v in
+                      re.findall(r"one thread ([\d.]+) ms, all \d+ threads ([\d.]+) ms", said)[0])
+        if one != every:  # printed to 0.01 ms: equal there, either may have been kept
+            assert said.startswith("one thread" if one < every else "all threads")
+    limit = module.set_one_thread_bytes(0)
+    assert limit == (0 if said.startswith("all") else quant.ONE_THREAD_BYTES)
+    monkeypatch.setenv("TOKENLINE_QUANT_SMALL_CALLS", "all")
+    assert quant.calibrate_small_calls(layers) == "all threads (set)"
+    assert module.set_one_thread_bytes(0) == 0
+    monkeypatch.setenv("TOKENLINE_QUANT_SMALL_CALLS", "one")
+    assert quant.calibrate_small_calls(layers) == "one thread (set)"
+    assert module.set_one_thread_bytes(0) == quant.ONE_THREAD_BYTES
+    monkeypatch.setenv("TOKENLINE_QUANT_SMALL_CALLS", "two")
+    with pytest.raises(ValueError, match="auto, one or all"):
+        quant.calibrate_small_calls(layers)
 
 
 @pytest.mark.parametrize("batch", [1, 64])
