@@ -28,6 +28,37 @@ GiB = 1 << 30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# Fresh bfloat16 prompts from this many tokens run torch's SDPA where the CPU has AMX: its flash
+# kernel multiplies on AMX tiles (264 against our kernel's 95 GFLOP/s at 2,048 tokens, 0.85
+# against 1.10 ms a layer at 256; at 128 and in a burst of short prompts ours is as fast or
+# faster: docs/benchmarks.md). TOKENLINE_SDPA_PROMPTS_FROM=N moves the crossover, =off keeps
+# every prompt in our kernel.
+SDPA_PROMPTS_FROM = 256
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _sdpa_prompts_from(dtype: torch.dtype) -> int | None:
+    raw = os.environ.get("TOKENLINE_SDPA_PROMPTS_FROM")
+    if raw is not None:
+        if raw == "off":
+            return None
+        if not raw.isdigit() or int(raw) < 2:
+            raise ValueError(f"TOKENLINE_SDPA_PROMPTS_FROM must be off or an integer >= 2, "
+                             f"not {raw!r}")
+        return int(raw)
+    if dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags():
+        return SDPA_PROMPTS_FROM
+    return None
+
+
 def _onednn_enabled() -> bool:
     """oneDNN for the float32 projections on CPU; TOKENLINE_ONEDNN=0 falls back to F.linear."""
     return torch.backends.mkldnn.is_available() and os.environ.get("TOKENLINE_ONEDNN", "1") != "0"
@@ -207,7 +238,12 @@ class ModelRunner:
         if kernels is not None and not self.backend.use_native_prefill:
             log.info(f"the C++ prefill kernel has no head_dim {self.head_dim} x group {group}: "
                      "prefill attention runs in torch (SDPA)", architecture=self.architecture)
-        return "native" if self.backend.use_native_prefill else "sdpa"
+        if not self.backend.use_native_prefill:
+            return "sdpa"
+        self.backend.sdpa_from = _sdpa_prompts_from(self.dtype)
+        if self.backend.sdpa_from is not None:
+            return f"native+sdpa_from_{self.backend.sdpa_from}"
+        return "native"
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -94,6 +94,23 @@ def test_bf16_prefill_and_extend_match_float64(kernels, page, hq, hkv, d, window
     check_bf16(native_backend(), page, hq, hkv, d, window)
 
 
+@pytest.mark.parametrize("window", [None, 37])
+def test_long_fresh_prompts_through_sdpa_beside_the_kernel(kernels, window):
+    """sdpa_from (bfloat16 on AMX CPUs): fresh prompts of at least that many tokens run SDPA,
+    the shorter ones, the extends and the decodes the kernels, in the same step."""
+    backend = native_backend()
+    backend.sdpa_from = 37
+    q, k, v, k_cache, v_cache, meta = step(16, 9, 3, 64, torch.float32)
+    got = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    assert backend._plan.sdpa_rows == [0, 4]  # (0, 37) and (0, 181); not (13, 90) nor (0, 3)
+    assert backend._plan.prefill_rows.tolist() == [1, 3, 5, 6, 8]
+    want = reference(q, k_cache, v_cache, meta, 0.125, window)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    backend = native_backend()
+    backend.sdpa_from = 37
+    check_bf16(backend, 16, 9, 3, 64, window)
+
+
 def test_only_the_new_tokens_rows_are_written(kernels):
     """The kernel fills the rows of the requests it is given and leaves the others as they are
     (TorchBackend puts the decode rows there)."""
@@ -145,9 +162,19 @@ def test_kernel_says_which_shapes_it_has(kernels):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_model_runner_prefills_through_the_kernel(kernels, smol_path, dtype):
+def test_model_runner_prefills_through_the_kernel(kernels, smol_path, dtype, monkeypatch):
+    from services.scheduler import model_runner
     from services.scheduler.model_runner import ModelRunner
 
+    # long fresh bfloat16 prompts go to SDPA where the CPU has AMX, never in float32
+    sdpa = dtype == "bfloat16" and "amx_bf16" in model_runner._cpu_flags()
+    want = f"native+sdpa_from_{model_runner.SDPA_PROMPTS_FROM}" if sdpa else "native"
     runner = ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)
-    assert runner.prefill_kernel == "native" and runner.backend.use_native_prefill
-    assert runner.info()["prefill_attention"] == "native"
+    assert runner.prefill_kernel == want and runner.backend.use_native_prefill
+    assert runner.info()["prefill_attention"] == want
+    monkeypatch.setenv("TOKENLINE_SDPA_PROMPTS_FROM", "off")
+    runner = ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)
+    assert runner.prefill_kernel == "native" and runner.backend.sdpa_from is None
+    monkeypatch.setenv("TOKENLINE_SDPA_PROMPTS_FROM", "1")
+    with pytest.raises(ValueError, match="off or an integer >= 2"):
+        ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)

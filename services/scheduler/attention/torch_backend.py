@@ -38,7 +38,7 @@ C++ kernel starts its walk at the window instead); the cache itself is the same 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -96,6 +96,7 @@ class _Plan:
     # the native kernels' int32 tables and lengths, made once per step (not once per layer)
     tables: torch.Tensor | None = None
     lens: torch.Tensor | None = None
+    sdpa_rows: list[int] = field(default_factory=list)  # fresh prompts for SDPA (sdpa_from)
 
     @property
     def decode_only(self) -> bool:
@@ -103,7 +104,7 @@ class _Plan:
 
 
 def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
-          groups: bool) -> _Plan:
+          groups: bool, sdpa_from: int | None = None) -> _Plan:
     p = meta.page_size
     starts = [0]
     for n in meta.query_lens_cpu:
@@ -112,11 +113,15 @@ def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
     lens = meta.seq_lens_cpu
     order = sorted(range(len(rows)), key=lambda i: lens[rows[i]])
     tokens = [starts[b] for b in rows]
+    lens_q = meta.query_lens_cpu
+    sdpa_rows = [] if sdpa_from is None else [
+        b for b, n in enumerate(lens_q) if n > 1 and n >= sdpa_from and n == lens[b]]
     plan = _Plan(starts, rows, tokens, torch.tensor(rows, device=device),
-                 torch.tensor([b for b, n in enumerate(meta.query_lens_cpu) if n > 1],
+                 torch.tensor([b for b, n in enumerate(lens_q) if n > 1 and b not in sdpa_rows],
                               dtype=torch.long, device=device),
                  torch.tensor(tokens, dtype=torch.long, device=device),
-                 torch.tensor(order, dtype=torch.long, device=device), [])
+                 torch.tensor(order, dtype=torch.long, device=device), [],
+                 sdpa_rows=sdpa_rows)
     plan.tables = meta.block_tables.to(torch.int32).contiguous()  # no copy if they are already
     plan.lens = meta.seq_lens.to(torch.int32).contiguous()
     for g in range(0, len(order) if groups else 0, DECODE_GROUP):
@@ -165,6 +170,10 @@ class TorchBackend(AttentionBackend):
     def __init__(self, use_native: bool = False, use_native_prefill: bool = False) -> None:
         self.use_native = use_native  # decodes through the C++ kernel (CPU)
         self.use_native_prefill = use_native_prefill  # prefills and extends through C++ (CPU)
+        # With use_native_prefill: fresh prompts of at least this many tokens go to torch's
+        # SDPA instead (the model runner sets it in bfloat16 where the CPU has AMX, whose tiles
+        # torch's flash kernel uses and ours does not: docs/benchmarks.md has the crossover)
+        self.sdpa_from: int | None = None
         self._meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
         # Gathered K and V land here, reused by every group and layer: a fresh buffer per
@@ -185,7 +194,9 @@ class TorchBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None):
         if meta is not self._meta:  # the first layer of a step plans for all of them
-            self._meta, self._plan = meta, _plan(meta, q.device, q.dtype, not self.use_native)
+            self._meta, self._plan = meta, _plan(
+                meta, q.device, q.dtype, not self.use_native,
+                self.sdpa_from if self.use_native_prefill else None)
         plan = self._plan
         assert plan is not None
         if plan.decode_only and self.use_native:  # one C++ call: the cache writes and attention
@@ -210,14 +221,16 @@ class TorchBackend(AttentionBackend):
                  scale: float, window: int | None, out: torch.Tensor) -> None:
         """The requests with several new tokens, written into their rows of `out`."""
         if self.use_native_prefill:
-            prefill_kernels().module.paged_prefill(
-                q, k_cache, v_cache, plan.tables, plan.lens,
-                meta.query_start_loc.int(), plan.prefill_rows, meta.page_size, scale,
-                window or 0, out)
-            return
-        for b, n in enumerate(meta.query_lens_cpu):
-            if n == 1:
-                continue
+            if plan.prefill_rows.numel():
+                prefill_kernels().module.paged_prefill(
+                    q, k_cache, v_cache, plan.tables, plan.lens,
+                    meta.query_start_loc.int(), plan.prefill_rows, meta.page_size, scale,
+                    window or 0, out)
+            requests = plan.sdpa_rows
+        else:
+            requests = [b for b, n in enumerate(meta.query_lens_cpu) if n > 1]
+        for b in requests:
+            n = meta.query_lens_cpu[b]
             s, e = plan.starts[b], plan.starts[b + 1]
             # 4-D [1, H, n, D]: with 3-D inputs SDPA takes its slow math path on CPU
             qh = q[s:e].transpose(0, 1)[None]
