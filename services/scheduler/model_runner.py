@@ -20,6 +20,7 @@ from services.scheduler.attention.torch_backend import (
     prefill_kernels,
 )
 from services.scheduler.models import model_class
+from services.scheduler.native import cpu_flags
 from services.scheduler.request import Request
 
 log = get_logger("model_runner")
@@ -36,15 +37,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 SDPA_PROMPTS_FROM = 256
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
-
-
 def _sdpa_prompts_from(dtype: torch.dtype) -> int | None:
     raw = os.environ.get("TOKENLINE_SDPA_PROMPTS_FROM")
     if raw is not None:
@@ -54,7 +46,7 @@ def _sdpa_prompts_from(dtype: torch.dtype) -> int | None:
             raise ValueError(f"TOKENLINE_SDPA_PROMPTS_FROM must be off or an integer >= 2, "
                              f"not {raw!r}")
         return int(raw)
-    if dtype == torch.bfloat16 and "amx_bf16" in _cpu_flags():
+    if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
         return SDPA_PROMPTS_FROM
     return None
 

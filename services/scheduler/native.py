@@ -27,6 +27,17 @@ log = get_logger("native")
 CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is no such file):
+    what -march=native builds for, and what the run-time choices that depend on the CPU read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
 @dataclass
 class NativeKernels:
     """One extension: its module, or why there is none. `missing` says what the machine lacks
@@ -82,10 +93,9 @@ class Extension:
         """-march=native: the build is for this CPU, so the CPU's flags are part of its name; so
         is the source's path, which ninja's build file holds: two checkouts sharing one build
         directory would rebuild it for each other on every load."""
-        cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-        cpu_flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
+        flags = " ".join(sorted(cpu_flags()))
         key = hashlib.sha256(b"\0".join([self.source.read_bytes(), str(self.source).encode(),
-                                         cpu_flags.encode(), torch.__version__.encode(),
+                                         flags.encode(), torch.__version__.encode(),
                                          " ".join(CFLAGS).encode()]))
         return f"tokenline_{self.source.stem}_{key.hexdigest()[:12]}"
 

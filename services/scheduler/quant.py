@@ -546,9 +546,6 @@ def quantize_model(model: nn.Module, mode: str, gguf: GGUFWeights | None, *,
     return summary
 
 
-ONE_THREAD_BYTES = 64 << 20  # quant_cpu.cpp's default limit for a 1-3 row call on one thread
-
-
 def calibrate_small_calls(layers: list, rounds: int = 3) -> str:
     """Time a batch-1 pass over `layers` (the model's quantized matmuls, each its own weight, so
     read from memory as in a decode step) with 1-3 row calls on the calling thread and on every
@@ -560,11 +557,13 @@ def calibrate_small_calls(layers: list, rounds: int = 3) -> str:
     forced = os.environ.get("TOKENLINE_QUANT_SMALL_CALLS", "auto")
     if forced not in ("auto", "one", "all"):
         raise ValueError(f"TOKENLINE_QUANT_SMALL_CALLS must be auto, one or all, not {forced!r}")
+    limits = {"one": module.one_thread_bytes_default(), "all": 0}
     layers = [q for q in layers if isinstance(q, (Int8Linear, Int4Linear))]
     if forced != "auto" or torch.get_num_threads() == 1 or not layers:
         choice = "all" if forced == "all" else "one"
-        module.set_one_thread_bytes(ONE_THREAD_BYTES if choice == "one" else 0)
-        why = "set" if forced != "auto" else "one thread" if layers else "no native layers"
+        module.set_one_thread_bytes(limits[choice])
+        why = ("TOKENLINE_QUANT_SMALL_CALLS" if forced != "auto" else
+               "torch runs one thread" if layers else "no native layers")
         return f"{choice} thread{'s' if choice == 'all' else ''} ({why})"
     inputs = {}
     for q in layers:
@@ -578,12 +577,12 @@ def calibrate_small_calls(layers: list, rounds: int = 3) -> str:
 
     best = {"one": float("inf"), "all": float("inf")}
     for _ in range(rounds):
-        for choice, limit in (("one", ONE_THREAD_BYTES), ("all", 0)):
+        for choice, limit in limits.items():
             module.set_one_thread_bytes(limit)
             one_pass()  # the first pass of a setting wakes (or parks) the pool's threads
             best[choice] = min(best[choice], one_pass())
     choice = min(best, key=best.get)
-    module.set_one_thread_bytes(ONE_THREAD_BYTES if choice == "one" else 0)
+    module.set_one_thread_bytes(limits[choice])
     return (f"{choice} thread{'s' if choice == 'all' else ''} (a batch-1 pass of the weights: "
             f"one thread {best['one'] * 1e3:.2f} ms, all {torch.get_num_threads()} threads "
             f"{best['all'] * 1e3:.2f} ms)")

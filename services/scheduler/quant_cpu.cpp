@@ -58,7 +58,8 @@ constexpr int64_t FACTORED_ROWS = 4;
 // bytes: SmolLM2's int8 lm_head is 31 MB) run on the calling thread, and the Python side
 // measures both on the loaded model's weights and sets the limit (0: never one thread; see
 // quant.calibrate_small_calls).
-std::atomic<int64_t> one_thread_bytes{int64_t{64} << 20};
+constexpr int64_t ONE_THREAD_BYTES_DEFAULT = int64_t{64} << 20;
+std::atomic<int64_t> one_thread_bytes{ONE_THREAD_BYTES_DEFAULT};
 
 // Weight bytes [p, end) to ask for while a block of rows runs from the buffers (the next tile
 // group's codes, in DRAM when the layer is not in cache), `per_step` cache lines per 4 k.
@@ -540,6 +541,8 @@ int64_t set_one_thread_bytes(int64_t bytes) {
   return one_thread_bytes.exchange(bytes, std::memory_order_relaxed);
 }
 
+int64_t one_thread_bytes_default() { return ONE_THREAD_BYTES_DEFAULT; }
+
 bool vectorized() {
 #ifdef __AVX512F__
   return true;
@@ -555,5 +558,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x @ w.T for int4 group-32 scale+min weight tiles");
   m.def("set_one_thread_bytes", &set_one_thread_bytes,
         "weight bytes x rows under which 1-3 row calls stay on the calling thread (0: never)");
+  m.def("one_thread_bytes_default", &one_thread_bytes_default,
+        "the limit set_one_thread_bytes starts from (and quant.calibrate_small_calls sets for one)");
   m.def("vectorized", &vectorized, "whether the AVX512 tiles were compiled in");
 }

@@ -10,6 +10,7 @@ import torch
 from services.scheduler.attention import torch_backend
 from services.scheduler.attention.base import AttentionMetadata
 from services.scheduler.attention.torch_backend import TorchBackend, native_kernels
+from services.scheduler.native import cpu_flags
 from tests.helpers import portable_build
 
 
@@ -161,11 +162,7 @@ def test_bf16_decode_matches_float32_and_the_torch_path(kernels, page, hq, hkv, 
 
 
 def test_bf16_kernel_uses_avx512_bf16_where_the_cpu_has_it(kernels):
-    from pathlib import Path
-
-    info = Path("/proc/cpuinfo")
-    flags = next((line for line in info.read_text().splitlines() if line.startswith("flags")),
-                 "").split() if info.exists() else []
+    flags = cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags to check against")
     assert kernels.fast_bf16() == {"avx512_bf16", "avx512bw", "avx512vl"}.issubset(flags)

@@ -19,6 +19,7 @@ import torch
 from services.scheduler.attention import torch_backend
 from services.scheduler.attention.base import AttentionMetadata
 from services.scheduler.attention.torch_backend import TorchBackend, prefill_kernels
+from services.scheduler.native import cpu_flags
 from tests.helpers import portable_build
 from tests.unit.test_cpu_decode_kernel import random_step
 
@@ -129,11 +130,7 @@ def test_only_the_new_tokens_rows_are_written(kernels):
 
 
 def test_bf16_kernel_uses_avx512_bf16_where_the_cpu_has_it(kernels):
-    from pathlib import Path
-
-    info = Path("/proc/cpuinfo")
-    flags = next((line for line in info.read_text().splitlines() if line.startswith("flags")),
-                 "").split() if info.exists() else []
+    flags = cpu_flags()
     if not flags:
         pytest.skip("no /proc/cpuinfo flags to check against")
     assert kernels.fast_bf16() == {"avx512_bf16", "avx512bw", "avx512vl"}.issubset(flags)
@@ -167,7 +164,7 @@ def test_model_runner_prefills_through_the_kernel(kernels, smol_path, dtype, mon
     from services.scheduler.model_runner import ModelRunner
 
     # long fresh bfloat16 prompts go to SDPA where the CPU has AMX, never in float32
-    sdpa = dtype == "bfloat16" and "amx_bf16" in model_runner._cpu_flags()
+    sdpa = dtype == "bfloat16" and "amx_bf16" in cpu_flags()
     want = f"native+sdpa_from_{model_runner.SDPA_PROMPTS_FROM}" if sdpa else "native"
     runner = ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)
     assert runner.prefill_kernel == want and runner.backend.use_native_prefill

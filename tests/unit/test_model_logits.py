@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import platform
-from pathlib import Path
 
 import pytest
 import torch
 
 from services.scheduler.attention.base import AttentionMetadata
 from services.scheduler.model_runner import ModelRunner
+from services.scheduler.native import cpu_flags
 
 
 def our_logits(runner: ModelRunner, ids: list[int], chunk: int | None = None) -> torch.Tensor:
@@ -66,26 +66,16 @@ def test_smollm2_logits_match_transformers(smol_path):
 def _missing_bf16_feature() -> str | None:
     """What this CPU lacks for oneDNN's bfloat16 matmuls (torch asks for AVX512 BW, VL and DQ
     on x86), read from the CPU itself rather than from the code under test; None if nothing."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if platform.machine() not in ("x86_64", "AMD64") or not cpuinfo.exists():
+    flags = cpu_flags()
+    if platform.machine() not in ("x86_64", "AMD64") or not flags:
         ok = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # no flags to read: torch's word
         return None if ok else f"bfloat16 matmuls on this {platform.machine()} CPU"
-    flags = set(next((line for line in cpuinfo.read_text().splitlines()
-                      if line.startswith("flags")), "").split())
     missing = sorted({"avx512bw", "avx512vl", "avx512dq"} - flags)
     return ", ".join(missing) or None
 
 
-def _cpu_flags() -> set[str]:
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists():
-        return set()
-    return set(next((line for line in cpuinfo.read_text().splitlines()
-                     if line.startswith("flags")), "").split())
-
-
 # bfloat16 end to end on CPU needs the decode kernel's AVX512-BF16 path (else: the fallback)
-HAS_AVX512_BF16 = _missing_bf16_feature() is None and "avx512_bf16" in _cpu_flags()
+HAS_AVX512_BF16 = _missing_bf16_feature() is None and "avx512_bf16" in cpu_flags()
 PROMPT = [1, 504, 3458, 282, 4649, 314, 2330, 30, 378, 1535, 2476, 3060, 28, 357, 3032, 30]
 # bfloat16 logits against float32's, as a fraction of the logits' range: SmolLM2 measured 3%
 # (1.2 on a range of 40) end to end, 1.3% with bf16 projections alone

@@ -80,7 +80,8 @@ def test_kernel_matches_dequantize_reference(form, batch, shape):
 @pytest.fixture
 def restore_small_calls():
     yield
-    quant.KERNELS.module().set_one_thread_bytes(quant.ONE_THREAD_BYTES)
+    module = quant.KERNELS.module()
+    module.set_one_thread_bytes(module.one_thread_bytes_default())
 
 
 @pytest.mark.parametrize("form", [quant.Int8Plain, quant.Int4Plain], ids=["int8", "int4"])
@@ -92,7 +93,7 @@ def test_small_calls_on_one_thread_or_all_give_the_same_numbers(form, restore_sm
     module = quant.KERNELS.module()
     for batch in (1, 2, 3):
         x = torch.randn(batch, 576)
-        assert module.set_one_thread_bytes(quant.ONE_THREAD_BYTES) >= 0
+        assert module.set_one_thread_bytes(module.one_thread_bytes_default()) >= 0
         one = kernel.matmul(x)
         module.set_one_thread_bytes(0)
         split = kernel.matmul(x)
@@ -114,13 +115,22 @@ def test_calibration_keeps_the_faster_setting_or_the_one_asked_for(restore_small
         if one != every:  # printed to 0.01 ms: equal there, either may have been kept
             assert said.startswith("one thread" if one < every else "all threads")
     limit = module.set_one_thread_bytes(0)
-    assert limit == (0 if said.startswith("all") else quant.ONE_THREAD_BYTES)
+    assert limit == (0 if said.startswith("all") else module.one_thread_bytes_default())
     monkeypatch.setenv("TOKENLINE_QUANT_SMALL_CALLS", "all")
-    assert quant.calibrate_small_calls(layers) == "all threads (set)"
+    assert quant.calibrate_small_calls(layers) == "all threads (TOKENLINE_QUANT_SMALL_CALLS)"
     assert module.set_one_thread_bytes(0) == 0
     monkeypatch.setenv("TOKENLINE_QUANT_SMALL_CALLS", "one")
-    assert quant.calibrate_small_calls(layers) == "one thread (set)"
-    assert module.set_one_thread_bytes(0) == quant.ONE_THREAD_BYTES
+    assert quant.calibrate_small_calls(layers) == "one thread (TOKENLINE_QUANT_SMALL_CALLS)"
+    assert module.set_one_thread_bytes(0) == module.one_thread_bytes_default()
+    monkeypatch.delenv("TOKENLINE_QUANT_SMALL_CALLS")
+    threads = torch.get_num_threads()
+    module.set_one_thread_bytes(0)
+    torch.set_num_threads(1)
+    try:  # one torch thread: nothing to measure, and the log says why
+        assert quant.calibrate_small_calls(layers) == "one thread (torch runs one thread)"
+    finally:
+        torch.set_num_threads(threads)
+    assert module.set_one_thread_bytes(0) == module.one_thread_bytes_default() > 0
     monkeypatch.setenv("TOKENLINE_QUANT_SMALL_CALLS", "two")
     with pytest.raises(ValueError, match="auto, one or all"):
         quant.calibrate_small_calls(layers)

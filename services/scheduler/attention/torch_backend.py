@@ -116,8 +116,9 @@ def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
     lens_q = meta.query_lens_cpu
     sdpa_rows = [] if sdpa_from is None else [
         b for b, n in enumerate(lens_q) if n > 1 and n >= sdpa_from and n == lens[b]]
+    to_sdpa = set(sdpa_rows)
     plan = _Plan(starts, rows, tokens, torch.tensor(rows, device=device),
-                 torch.tensor([b for b, n in enumerate(lens_q) if n > 1 and b not in sdpa_rows],
+                 torch.tensor([b for b, n in enumerate(lens_q) if n > 1 and b not in to_sdpa],
                               dtype=torch.long, device=device),
                  torch.tensor(tokens, dtype=torch.long, device=device),
                  torch.tensor(order, dtype=torch.long, device=device), [],
