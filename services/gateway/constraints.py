@@ -31,14 +31,14 @@ FunctionName = Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_.-]{1,64}$",
                                    description="letters, digits, _ . -; at most 64")]
 
 
-class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+class JsonSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str | None = None
     description: str | None = None
     schema: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ResponseFormat(msgspec.Struct, kw_only=True):
+class ResponseFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """OpenAI's `response_format`."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -55,23 +55,23 @@ class StructuredOutputsField(msgspec.Struct, kw_only=True, forbid_unknown_fields
     json_object: bool | None = None
 
 
-class FunctionDef(msgspec.Struct, kw_only=True):
+class FunctionDef(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None
 
 
-class Tool(msgspec.Struct, kw_only=True):
+class Tool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["function"]
     function: FunctionDef
 
 
-class FunctionChoice(msgspec.Struct):
+class FunctionChoice(msgspec.Struct, forbid_unknown_fields=True):
     name: str
 
 
-class NamedToolChoice(msgspec.Struct, kw_only=True):
+class NamedToolChoice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     type: Literal["function"]
     function: FunctionChoice
 

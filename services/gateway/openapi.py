@@ -94,6 +94,7 @@ ABORT_REQUEST = {
     "type": "object",
     "description": "give `rid` (the id a response carries) or `abort_all: true`",
     "properties": {"rid": {"type": "string", "minLength": 1}, "abort_all": {"type": "boolean"}},
+    "additionalProperties": False,
 }
 
 OBJECT = {"type": "object"}

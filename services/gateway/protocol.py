@@ -1,6 +1,8 @@
 """HTTP request bodies (msgspec Structs) and their checks, turned into SamplingParams.
 
-Unknown fields are ignored, as vLLM does. Every error names the field it is about.
+A field we do not implement is a 400 naming it, never accepted and ignored (vLLM logs and drops
+it; OpenAI itself refuses it): a `guided_json` dropped on the floor is unconstrained output the
+client trusts. Every error names the field it is about.
 """
 
 from __future__ import annotations
@@ -85,12 +87,12 @@ def error_body(message: str, err_type: str, param: str | None = None,
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class _Sampling(msgspec.Struct, kw_only=True):
+class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields shared by every route (OpenAI's plus vLLM/SGLang's extras)."""
 
     model: str | None = None
@@ -203,7 +205,7 @@ class CompletionRequest(_Sampling, kw_only=True):
             vocab_size=vocab_size, max_stops=max_stops)
 
 
-class GenerateSamplingParams(msgspec.Struct, kw_only=True):
+class GenerateSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_new_tokens: Positive | None = 128
     min_new_tokens: NonNeg = 0
     temperature: Temperature = 1.0
@@ -227,7 +229,7 @@ class GenerateSamplingParams(msgspec.Struct, kw_only=True):
     ebnf: str | None = None
 
 
-class GenerateRequest(msgspec.Struct, kw_only=True):
+class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """SGLang's native /generate."""
 
     text: str | None = None
@@ -269,6 +271,9 @@ def abort_target(body: bytes) -> str | None:
         raise APIError("the body is not valid JSON", None) from None
     if not isinstance(data, dict):
         raise APIError("the body must be a JSON object", None)
+    unknown = sorted(data.keys() - {"rid", "abort_all"})
+    if unknown:
+        raise _unknown_field(unknown[0], None, GenerateRequest)
     if data.get("abort_all") is True:
         return None
     rid = data.get("rid")
@@ -301,6 +306,24 @@ def sequences(rid: str, gateway_id: str, prompts: list[dict], params: SamplingPa
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+_UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
+# what clients written for vLLM or older OpenAI APIs send, and the field that does it here
+_RENAMED = {
+    "guided_json": "structured_outputs.json or response_format",
+    "guided_regex": "structured_outputs.regex",
+    "guided_choice": "structured_outputs.choice",
+    "guided_grammar": "structured_outputs.grammar",
+    "functions": "tools",
+    "function_call": "tool_choice",
+}
+
+
+def _unknown_field(name: str, within: str | None, kind: type) -> APIError:
+    """A 400 for a field this server does not implement, named by its path in the body."""
+    param = f"{within}.{name}" if within else name
+    openai = within is None and issubclass(kind, _Sampling) and name in _RENAMED
+    hint = f"; use {_RENAMED[name]}" if openai else ""
+    return APIError(f"unknown field `{param}`: this server does not implement it{hint}", param)
 
 _JSON_MARKS = b'"[]{}'
 _NOT_JSON_MARKS = bytes(sorted(set(range(256)) - set(_JSON_MARKS)))
@@ -337,6 +360,9 @@ def decode_body(body: bytes, kind: type) -> Any:
         text = str(exc)
         m = _PATH.search(text)
         param = (m.group(1) or None) if m else None  # `$` itself: the body as a whole
+        unknown = _UNKNOWN.match(text)
+        if unknown:
+            raise _unknown_field(unknown.group(1), param, kind) from None
         if param is None and "missing required field" in text:
             m2 = re.search(r"`([^`]+)`", text)
             param = m2.group(1) if m2 else None
