@@ -74,19 +74,22 @@ def _at(module: object, packed: quant.Int8Linear | quant.Int4Linear) -> Callable
 def _candidates(weight: torch.Tensor) -> dict[str, tuple[Callable, torch.dtype]]:
     """Each kernel as (x -> out, the activation dtype it takes)."""
     f32 = onednn_pack(weight)
-    bf16 = onednn_pack(weight, torch.bfloat16)
+    # oneDNN's bfloat16 weights need AVX512 BW/VL/DQ (or AVX-NE-CONVERT): absent on AVX2 CPUs
+    bf16 = onednn_pack(weight, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() \
+        else None
     int8, int4 = quant.Int8Plain.quantize(weight), quant.Int4Plain.quantize(weight)
     ours8, ours4 = int8.pack(), int4.pack()
     torch8 = quant.TorchInt8Linear.quantize(weight)
     torch4 = quant.TorchInt4Linear.from_plain(int4)
     kernels = {
         "f32_onednn": (lambda x: onednn_linear(x, f32, None), torch.float32),
-        "bf16_onednn": (lambda x: onednn_linear(x, bf16, None), torch.float32),
         "int8_ours": (ours8.matmul, torch.float32),
         "int4_ours": (ours4.matmul, torch.float32),
         "int8_torch": (torch8.matmul, torch.bfloat16),
         "int4_torch": (torch4.matmul, torch.bfloat16),
     }
+    if bf16 is not None:
+        kernels["bf16_onednn"] = (lambda x: onednn_linear(x, bf16, None), torch.float32)
     for rev, module in AGAINST.items():
         kernels[f"int8_{rev}"] = (_at(module, ours8), torch.float32)
         kernels[f"int4_{rev}"] = (_at(module, ours4), torch.float32)

@@ -12,9 +12,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 def portable_build(source: Path, what: str):
     """A C++ kernel source built as an AVX2-only CPU (CI) builds it: AVX-512 switched off
-    (-mno-avx512f, an x86 flag), its own build next to the suite's. NativeKernels."""
+    (-mno-avx512f, an x86 flag), its own build next to the suite's; on a CPU without AVX-512,
+    the suite's own build. NativeKernels."""
     from services.scheduler import native
 
+    if "avx512f" not in native.cpu_flags():
+        # -march=native builds no AVX-512 here already: the suite's own build is the portable
+        # one, and a second build of the same code would take a minute or two for nothing
+        return next(e for e in native.EXTENSIONS if e.source == source).kernels()
     flags = native.CFLAGS
     native.CFLAGS = [*flags, "-mno-avx512f"]
     extension = native.Extension(source, what)
