@@ -39,8 +39,9 @@ class ServerArgs:
     # engine
     device: str = _flag("auto", "cpu, cuda, cuda:N or auto", type="device")
     dtype: str = _flag("auto", "float32, bfloat16, float16 or auto (float32 on CPU, bf16 on "
-                       "CUDA); bfloat16 on a CPU with AVX512-BF16 runs the projections in bf16 "
-                       "and keeps activations and the KV cache in float32",
+                       "CUDA); bfloat16 on CPU is bfloat16 end to end with AVX512-BF16, in the "
+                       "projections only with AVX512 but no BF16, and torch's slower generic "
+                       "kernels elsewhere (AVX2: a start-up warning says so)",
                        choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str = _flag(
         "none", "weight-only quantization of every projection and the lm_head: int8 (per "

@@ -24,8 +24,9 @@
 // scale * sum(code x) + min * sum(x) per group. Either way the two agree within float32
 // summation error of sum_k |x_k| (|scale code_k| + |min|) (tests/unit/test_quant.py).
 //
-// With AVX512F (the build is -march=native) the tiles run in intrinsics; elsewhere (AVX2-only
-// machines) the same loops in plain C++, which the compiler vectorizes over the 16 lanes.
+// With AVX512F (the build is -march=native) the tiles run in intrinsics. An AVX2 build
+// dequantizes every call's tiles (from one row) and runs the float FMAs and the dequantizing in
+// AVX2 intrinsics; without AVX2 and FMA, the same loops in plain C++.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>

@@ -159,6 +159,29 @@ def test_without_avx512_bf16_only_the_projections_run_in_bf16(smol_path, monkeyp
     assert_bf16_close(ours, ref)
 
 
+def test_without_onednn_bf16_bfloat16_is_kept_and_the_log_says_it_is_slow(tiny_model_dir,
+                                                                           monkeypatch):
+    """An AVX2 CPU (no oneDNN bfloat16): --dtype bfloat16 stays bfloat16 end to end, as asked,
+    and one warning at start-up says that float32 runs faster there."""
+    from structlog.testing import capture_logs
+
+    from services.scheduler import model_runner
+
+    monkeypatch.setattr(model_runner, "_cpu_bf16_linears", lambda device: False)
+    with capture_logs() as logs:
+        runner = ModelRunner(tiny_model_dir, max_total_tokens=512, device="cpu",
+                             dtype="bfloat16")
+    assert runner.dtype == runner.linear_dtype == torch.bfloat16
+    assert runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert runner.info()["linear_backend"] == "torch"
+    slow = [e for e in logs if "generic bfloat16" in e["event"]]
+    assert len(slow) == 1 and slow[0]["log_level"] == "warning"
+    assert "--dtype float32 is faster" in slow[0]["event"]
+    with capture_logs() as logs:
+        ModelRunner(tiny_model_dir, max_total_tokens=512, device="cpu", dtype="float32")
+    assert not [e for e in logs if "generic bfloat16" in e["event"]]
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                     reason="this torch build has no oneDNN (torch.backends.mkldnn)")
 def test_cpu_projections_keep_only_their_onednn_copies(tiny_model_dir, monkeypatch):
