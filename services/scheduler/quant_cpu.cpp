@@ -662,6 +662,8 @@ int64_t set_one_thread_bytes(int64_t bytes) {
 
 int64_t one_thread_bytes_default() { return ONE_THREAD_BYTES_DEFAULT; }
 
+int64_t dequant_rows() { return DEQUANT_ROWS; }
+
 bool vectorized() {
 #ifdef __AVX512F__
   return true;
@@ -679,5 +681,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "weight bytes x rows under which 1-3 row calls stay on the calling thread (0: never)");
   m.def("one_thread_bytes_default", &one_thread_bytes_default,
         "the limit set_one_thread_bytes starts from (and quant.calibrate_small_calls sets for one)");
+  m.def("dequant_rows", &dequant_rows,
+        "from how many rows a call dequantizes its tiles (1: every call; no 1-3 row path)");
   m.def("vectorized", &vectorized, "whether the AVX512 tiles were compiled in");
 }

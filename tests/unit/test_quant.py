@@ -107,6 +107,14 @@ def test_calibration_keeps_the_faster_setting_or_the_one_asked_for(restore_small
     torch.manual_seed(6)
     layers = [quant.Int8Plain.quantize(torch.randn(512, 576) * 0.05).pack() for _ in range(4)]
     module = quant.KERNELS.module()
+    if module.dequant_rows() <= 1:  # an AVX2 build: every call dequantizes, nothing to time
+        monkeypatch.setenv("TOKENLINE_QUANT_SMALL_CALLS", "one")
+        assert quant.calibrate_small_calls(layers) == (
+            "all threads (this build dequantizes every call: no 1-3 row path to time)")
+        monkeypatch.setenv("TOKENLINE_QUANT_SMALL_CALLS", "two")
+        with pytest.raises(ValueError, match="auto, one or all"):
+            quant.calibrate_small_calls(layers)
+        return
     said = quant.calibrate_small_calls(layers, rounds=2)
     if torch.get_num_threads() > 1:
         # the numbers it measured, and the limit it left set is the one its words say
