@@ -40,8 +40,9 @@ class ServerArgs:
     device: str = _flag("auto", "cpu, cuda, cuda:N or auto", type="device")
     dtype: str = _flag("auto", "float32, bfloat16, float16 or auto (float32 on CPU, bf16 on "
                        "CUDA); bfloat16 on CPU is bfloat16 end to end with AVX512-BF16, in the "
-                       "projections only with AVX512 but no BF16, and torch's slower generic "
-                       "kernels elsewhere (AVX2: a start-up warning says so)",
+                       "projections only with AVX512 but no BF16, and everywhere but the "
+                       "projections on AVX2 (they run float32 from the bfloat16 weights: "
+                       "oneDNN has no bfloat16 there); the start-up log says which",
                        choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str = _flag(
         "none", "weight-only quantization of every projection and the lm_head: int8 (per "

@@ -125,13 +125,22 @@ class ModelRunner:
                 log.info(f"{lacking}: --dtype bfloat16 runs the projections in bfloat16, "
                          "activations, attention and the KV cache in float32")
                 self.dtype = torch.float32
+        elif self.dtype == torch.bfloat16 and self.device.type == "cpu" and _onednn_enabled():
+            # No oneDNN bfloat16 matmuls (AVX2): torch's generic bfloat16 F.linear runs 3-4x
+            # float32's time (64 x 576 x 1,536 on an AVX2 EPYC: 15.6 against 4.2 ms). The
+            # projections run oneDNN float32 from the bfloat16 weights instead, widened exactly:
+            # bfloat16 inputs, float32 sums, a bfloat16 result, as a bfloat16 GEMM computes it.
+            # Activations, attention and the KV cache stay bfloat16 (half the KV bytes).
+            self.linear_dtype = torch.float32
+            log.info("this CPU has no oneDNN bfloat16 matmuls (AVX512 BW/VL/DQ or "
+                     "AVX-NE-CONVERT): --dtype bfloat16 runs the projections in float32 "
+                     "from the bfloat16 weights (twice their bytes); activations, attention "
+                     "and the KV cache in bfloat16")
         elif self.dtype == torch.bfloat16 and self.device.type == "cpu":
             # what was asked is kept (half the KV cache's bytes), but the user should know
-            why = "TOKENLINE_ONEDNN=0" if not _onednn_enabled() else (
-                "this CPU has no oneDNN bfloat16 matmuls (AVX512 BW/VL/DQ or AVX-NE-CONVERT)")
-            log.warning(f"{why}: --dtype bfloat16 runs torch's generic bfloat16 kernels, "
-                        "several times float32's time per step here (a 64-row projection: "
-                        "3.7x on an AVX2 EPYC); --dtype float32 is faster on this CPU")
+            log.warning("TOKENLINE_ONEDNN=0: --dtype bfloat16 runs torch's generic bfloat16 "
+                        "kernels, several times float32's time per step (a 64-row "
+                        "projection: 3.7x on an AVX2 EPYC); --dtype float32 is faster")
         self.page_size = page_size
         self.backend = get_backend(attention_backend, self.device)
         self._load(model_path, max_model_len, quantization, gguf_path)
@@ -158,8 +167,7 @@ class ModelRunner:
             if self.device.type == "cpu":
                 self.linear_dtype = quant.kernel_dtype()
         elif self.device.type == "cpu" and _onednn_enabled() and (
-            self.dtype == torch.float32
-            or self.dtype == torch.bfloat16 and _cpu_bf16_linears(self.device)
+            self.dtype in (torch.float32, torch.bfloat16)
         ):
             self.model.pack_for_cpu(self.linear_dtype)
             self.linear_backend = "onednn"

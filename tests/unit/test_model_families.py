@@ -12,11 +12,12 @@ import torch
 
 from bench.families import FAMILIES, WINDOW, make_tiny
 from common.messages import SamplingParams, TokenizedReq
+from services.scheduler import model_runner
 from services.scheduler.attention.base import AttentionMetadata
 from services.scheduler.engine import EngineCore
 from services.scheduler.model_runner import ModelRunner
 from tests.helpers import engine_args, run_engine
-from tests.unit.test_model_logits import HAS_AVX512_BF16, assert_bf16_close
+from tests.unit.test_model_logits import BF16_END_TO_END, assert_bf16_close
 
 PAGE = 4
 
@@ -121,15 +122,19 @@ def test_greedy_tokens_equal_transformers_generate(family):
     engine.check_integrity()
 
 
-@pytest.mark.skipif(not HAS_AVX512_BF16, reason="this CPU has no AVX512-BF16")
+@pytest.mark.skipif(not BF16_END_TO_END, reason=(
+    "this CPU runs only the projections in bfloat16 (AVX-512 without BF16)"))
 def test_bfloat16_end_to_end_stays_close_for_every_family(family):
-    """--dtype bfloat16 on an AVX512-BF16 CPU (bf16 weights, activations, KV cache and decode
-    kernel) runs every family through chunked prefill and decode steps past the sliding window,
-    within BF16_LOGIT_TOLERANCE of transformers' float32."""
+    """--dtype bfloat16 (bf16 weights, activations, KV cache and decode kernel; on a CPU with no
+    oneDNN bfloat16 the projections run float32 from the bf16 weights) runs every family through
+    chunked prefill and decode steps past the sliding window, within BF16_LOGIT_TOLERANCE of
+    transformers' float32."""
     name, path, hf = family
     runner = ModelRunner(path, max_total_tokens=256, page_size=PAGE, device="cpu",
                          dtype="bfloat16")
-    assert runner.dtype == runner.linear_dtype == torch.bfloat16
+    assert runner.dtype == torch.bfloat16
+    bf16_linears = model_runner._cpu_bf16_linears(torch.device("cpu"))
+    assert runner.linear_dtype == (torch.bfloat16 if bf16_linears else torch.float32)
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
     assert runner.attention_kernel == "native"
     seqs = [[random.Random(3 + b).randrange(100, 40000) for _ in range(n)] for b, n in

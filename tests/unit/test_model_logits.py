@@ -87,6 +87,11 @@ def _missing_bf16_feature() -> str | None:
 
 # bfloat16 end to end on CPU needs the decode kernel's AVX512-BF16 path (else: the fallback)
 HAS_AVX512_BF16 = _missing_bf16_feature() is None and "avx512_bf16" in cpu_flags()
+# where --dtype bfloat16 keeps bfloat16 activations, attention and KV cache: an AVX512-BF16 CPU
+# (bfloat16 projections too), and a CPU with no oneDNN bfloat16 at all (AVX2: the projections
+# in float32 from the bfloat16 weights); an AVX-512 CPU without BF16 runs only its projections
+# in bfloat16
+BF16_END_TO_END = HAS_AVX512_BF16 or _missing_bf16_feature() is not None
 PROMPT = [1, 504, 3458, 282, 4649, 314, 2330, 30, 378, 1535, 2476, 3060, 28, 357, 3032, 30]
 # bfloat16 logits against float32's, as a fraction of the logits' range: SmolLM2 measured 3%
 # (1.2 on a range of 40) end to end, 1.3% with bf16 projections alone
@@ -159,15 +164,47 @@ def test_without_avx512_bf16_only_the_projections_run_in_bf16(smol_path, monkeyp
     assert_bf16_close(ours, ref)
 
 
-def test_without_onednn_bf16_bfloat16_is_kept_and_the_log_says_it_is_slow(tiny_model_dir,
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                    reason="this torch build has no oneDNN (torch.backends.mkldnn)")
+def test_without_onednn_bf16_the_projections_run_float32_from_bf16_weights(smol_path,
                                                                            monkeypatch):
-    """An AVX2 CPU (no oneDNN bfloat16): --dtype bfloat16 stays bfloat16 end to end, as asked,
-    and one warning at start-up says that float32 runs faster there."""
+    """An AVX2 CPU (no oneDNN bfloat16): --dtype bfloat16 keeps bfloat16 activations, attention
+    and KV cache, and runs the projections through oneDNN float32 from the bfloat16 weights
+    (torch's generic bfloat16 matmul is 3-4x slower there); said once at start-up, and the
+    logits are bfloat16's, within BF16_LOGIT_TOLERANCE of float32's through chunks and decodes."""
     from structlog.testing import capture_logs
 
     from services.scheduler import model_runner
 
     monkeypatch.setattr(model_runner, "_cpu_bf16_linears", lambda device: False)
+    monkeypatch.delenv("TOKENLINE_ONEDNN", raising=False)
+    with capture_logs() as logs:
+        runner = ModelRunner(smol_path, max_total_tokens=512, device="cpu", dtype="bfloat16")
+    assert runner.dtype == torch.bfloat16 and runner.linear_dtype == torch.float32
+    assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in runner.kv_caches)
+    assert runner.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert runner.model.lm_packed.dtype == torch.float32
+    info = runner.info()
+    assert info["linear_backend"] == "onednn"
+    assert (info["dtype"], info["linear_dtype"], info["kv_cache"]["dtype"]) == (
+        "bfloat16", "float32", "bfloat16")
+    said = [e for e in logs if "no oneDNN bfloat16" in e["event"]]
+    assert len(said) == 1 and said[0]["log_level"] == "info"
+    assert "projections in float32 from the bfloat16 weights" in said[0]["event"]
+    assert not [e for e in logs if e["log_level"] == "warning"]
+    ours = our_logits(runner, PROMPT * 2, chunk=20)
+    ref = hf_logits(smol_path, PROMPT * 2)
+    assert_bf16_close(ours, ref)
+    assert_bf16_close(our_logits(runner, PROMPT * 2, chunk=1), ref)  # every position a decode
+
+
+def test_without_onednn_bfloat16_runs_torch_and_the_log_says_it_is_slow(tiny_model_dir,
+                                                                        monkeypatch):
+    """TOKENLINE_ONEDNN=0: --dtype bfloat16 stays bfloat16 end to end in torch's generic
+    kernels, and one warning at start-up says that float32 runs faster."""
+    from structlog.testing import capture_logs
+
+    monkeypatch.setenv("TOKENLINE_ONEDNN", "0")
     with capture_logs() as logs:
         runner = ModelRunner(tiny_model_dir, max_total_tokens=512, device="cpu",
                              dtype="bfloat16")
