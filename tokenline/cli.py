@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 
 COMMANDS = {
@@ -34,6 +35,10 @@ commands:
 """
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -46,6 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         module, rest = BENCH[rest[0]], rest[1:]
+        # SIGTERM unwinds like Ctrl-C: the servers a bench started (each in its own session,
+        # so no signal reaches them by itself) are stopped by their `with` blocks, not orphaned
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     elif cmd in COMMANDS:
         module = COMMANDS[cmd]
     else:

@@ -55,6 +55,40 @@ def test_peers_credit_only_useful_tokens(fake_binary, tmp_path, gguf, capsys) ->
         assert r["tokens_per_s"] == pytest.approx(r["useful_tokens"] / r["seconds"])
 
 
+def test_a_terminated_bench_stops_the_servers_it_started(fake_binary, tmp_path, gguf) -> None:
+    """SIGTERM to `tokenline bench peers` (a job runner's stop, `timeout`, `kill`) stops the
+    server it was measuring: each runs in its own session, so none would see the signal."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    workload = _workload(tmp_path / "w.jsonl", [2], 100_000)  # about 100 s of streaming
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "tokenline.cli", "bench", "peers", "--no-tokenline",
+         "--llama-server", str(fake_binary), "--slots", "1", "--workload", str(workload),
+         "--model", str(gguf)], cwd=Path(peers.__file__).parents[1])
+    try:
+        deadline = time.monotonic() + 60
+        servers: list[psutil.Process] = []
+        while not servers and time.monotonic() < deadline:
+            servers = [p for p in psutil.Process(bench.pid).children(recursive=True)
+                       if FAKE.name in " ".join(p.cmdline())]
+            time.sleep(0.2)
+        assert servers, "the fake llama-server never started"
+        time.sleep(2)  # healthy (0.3 s) and streaming the request
+        assert bench.poll() is None
+        os.kill(bench.pid, signal.SIGTERM)
+        assert bench.wait(40) == 128 + signal.SIGTERM
+        gone, alive = psutil.wait_procs(servers, timeout=10)
+        assert not alive, f"left running: {[p.pid for p in alive]}"
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+
+
 def test_missing_llama_server_is_a_clear_error(tmp_path, gguf, monkeypatch, capsys) -> None:
     monkeypatch.delenv("LLAMA_SERVER", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
