@@ -112,6 +112,35 @@ def test_long_fresh_prompts_through_sdpa_beside_the_kernel(kernels, window):
     check_bf16(backend, 16, 9, 3, 64, window)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_bf16_prompts_padded_for_sdpa_match_the_unpadded_answer(window):
+    """Fresh bfloat16 prompts go to SDPA padded with zero rows to a multiple of SDPA_PAD (the
+    flash kernel is slow at other lengths): the real rows are what the float64 answer says, as
+    close as the unpadded call is, and q, k, v are read as the projection's strided rows."""
+    gen = torch.Generator().manual_seed(5)
+    hq, hkv, d = 9, 3, 64
+    for n in (2, 15, 17, 33, 100, 181):
+        qkv = torch.randn(n, (hq + 2 * hkv) * d, generator=gen).bfloat16()
+        q, k, v = qkv.split([hq * d, hkv * d, hkv * d], -1)
+        q, k, v = q.view(n, hq, d), k.view(n, hkv, d), v.view(n, hkv, d)
+        o = torch_backend._fresh_prompt(q, k, v, d**-0.5, window)
+        assert o.shape[2] == -(-n // torch_backend.SDPA_PAD) * torch_backend.SDPA_PAD
+        got = o[0, :, :n].transpose(0, 1).double()
+        pos = torch.arange(n)
+        gap = pos[:, None] - pos[None, :]
+        seen = (gap >= 0) & (gap < window if window else True)
+        group = hq // hkv
+        scores = torch.einsum("thd,lhd->htl", q.double(),
+                              k.double().repeat_interleave(group, 1)) * d**-0.5
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        exact = torch.einsum("htl,lhd->thd", probs, v.double().repeat_interleave(group, 1))
+        unpadded = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=seen, scale=d**-0.5, enable_gqa=True)[0].transpose(0, 1).double()
+        torch.testing.assert_close(got, exact, atol=5e-3, rtol=2**-8)
+        assert (got - exact).abs().max() <= (unpadded - exact).abs().max() + 2**-8
+
+
 def test_only_the_new_tokens_rows_are_written(kernels):
     """The kernel fills the rows of the requests it is given and leaves the others as they are
     (TorchBackend puts the decode rows there)."""

@@ -54,6 +54,9 @@ log = get_logger("attention")
 # with SmolLM2 and contexts of 50-800 tokens, groups of 8 were within a few percent of the best.
 DECODE_GROUP = 8
 
+# Fresh bfloat16 prompts run SDPA at a multiple of this many tokens (see _fresh_prompt).
+SDPA_PAD = 16
+
 
 @dataclass
 class _Group:
@@ -233,21 +236,13 @@ class TorchBackend(AttentionBackend):
         for b in requests:
             n = meta.query_lens_cpu[b]
             s, e = plan.starts[b], plan.starts[b + 1]
-            # 4-D [1, H, n, D]: with 3-D inputs SDPA takes its slow math path on CPU
-            qh = q[s:e].transpose(0, 1)[None]
             if n == meta.seq_lens_cpu[b]:  # the whole sequence is new: attend to it as it is
-                mask = None
-                if window is not None and window < n:
-                    pos = torch.arange(n, device=q.device)
-                    gap = pos[:, None] - pos[None, :]
-                    mask = (gap >= 0) & (gap < window)
-                o = F.scaled_dot_product_attention(
-                    qh, k[s:e].transpose(0, 1)[None], v[s:e].transpose(0, 1)[None],
-                    attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
-                )
+                o = _fresh_prompt(q[s:e], k[s:e], v[s:e], scale, window)
             else:
-                o = self._extend(qh, k_cache, v_cache, meta, b, scale, window)
-            out[s:e] = o[0].transpose(0, 1)
+                # 4-D [1, H, n, D]: with 3-D inputs SDPA takes its slow math path on CPU
+                o = self._extend(q[s:e].transpose(0, 1)[None], k_cache, v_cache, meta, b, scale,
+                                 window)
+            out[s:e] = o[0, :, :n].transpose(0, 1)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan, scale: float,
                 window: int | None, new: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -300,6 +295,40 @@ class TorchBackend(AttentionBackend):
         mask = (gap >= 0) if window is None else (gap >= 0) & (gap < window)
         return F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
                                               enable_gqa=True)
+
+
+def _fresh_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  window: int | None) -> torch.Tensor:
+    """SDPA of a prompt on its own k, v ([n, H, D] each), causal: [1, Hq, m, D], where rows n..m
+    (m >= n, padding) are to be dropped.
+
+    torch's bfloat16 flash kernel on CPU is 1.3-3x slower at lengths that are not a multiple of
+    SDPA_PAD than at the next multiple (AMX, 2 cores, SmolLM2's heads: 446 tokens 6.3 ms, padded
+    to 448 1.9 ms; docs/benchmarks.md), so such prompts are padded with zero rows at the end.
+    Under a causal mask no real query sees a padded key, and every padded query sees at least
+    itself, so the real rows come out as they would unpadded. float32 gains nothing from it."""
+    n = q.shape[0]
+    m = n
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and n % SDPA_PAD:
+        m = -(-n // SDPA_PAD) * SDPA_PAD
+        q, k, v = (_pad_rows(t, m) for t in (q, k, v))
+    mask = None
+    if window is not None and window < n:
+        pos = torch.arange(m, device=q.device)
+        gap = pos[:, None] - pos[None, :]
+        mask = (gap >= 0) & (gap < window)
+    # 4-D [1, H, m, D]: with 3-D inputs SDPA takes its slow math path on CPU
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+
+
+def _pad_rows(t: torch.Tensor, m: int) -> torch.Tensor:
+    """t ([n, ...]) in the first rows of a fresh [m, ...], the rest zeros."""
+    out = t.new_empty((m, *t.shape[1:]))
+    out[: t.shape[0]] = t
+    out[t.shape[0] :].zero_()
+    return out
 
 
 # -- the native kernels -------------------------------------------------------------------------
