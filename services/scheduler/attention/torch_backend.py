@@ -311,7 +311,7 @@ def _fresh_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     m = n
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and n % SDPA_PAD:
         m = -(-n // SDPA_PAD) * SDPA_PAD
-        q, k, v = (_pad_rows(t, m) for t in (q, k, v))
+        q, k, v = (F.pad(t, (0, 0, 0, 0, 0, m - n)) for t in (q, k, v))  # zero rows at the end
     mask = None
     if window is not None and window < n:
         pos = torch.arange(m, device=q.device)
@@ -321,14 +321,6 @@ def _fresh_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
     return F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
-
-
-def _pad_rows(t: torch.Tensor, m: int) -> torch.Tensor:
-    """t ([n, ...]) in the first rows of a fresh [m, ...], the rest zeros."""
-    out = t.new_empty((m, *t.shape[1:]))
-    out[: t.shape[0]] = t
-    out[t.shape[0] :].zero_()
-    return out
 
 
 # -- the native kernels -------------------------------------------------------------------------
