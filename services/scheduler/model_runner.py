@@ -33,8 +33,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # kernel multiplies on AMX tiles (264 against our kernel's 95 GFLOP/s at 2,048 tokens, 0.85
 # against 1.10 ms a layer at 256; at 128 and in a burst of short prompts ours is as fast or
 # faster: docs/benchmarks.md). TOKENLINE_SDPA_PROMPTS_FROM=N moves the crossover, =off keeps
-# every prompt in our kernel.
+# every prompt, and every extend, in our kernel.
 SDPA_PROMPTS_FROM = 256
+# Extends (new tokens after a cached prefix: a chunked prompt's next chunk, a prefix-cache hit)
+# from this many attended (query, key) pairs run SDPA there too, over the gathered prefix. At
+# 64K pairs it is as fast as ours (256 new after 128 cached), above it faster (100 after 1,024:
+# 0.66x our time; 256 after 2,048: 0.55x), below it slower (128 after 128: 1.24x).
+SDPA_EXTEND_PAIRS = 1 << 16
 
 
 def _sdpa_prompts_from(dtype: torch.dtype) -> int | None:
@@ -249,6 +254,7 @@ class ModelRunner:
             return "sdpa"
         self.backend.sdpa_from = _sdpa_prompts_from(self.dtype)
         if self.backend.sdpa_from is not None:
+            self.backend.sdpa_extend_pairs = SDPA_EXTEND_PAIRS
             return f"native+sdpa_from_{self.backend.sdpa_from}"
         return "native"
 

@@ -112,6 +112,34 @@ def test_long_fresh_prompts_through_sdpa_beside_the_kernel(kernels, window):
     check_bf16(backend, 16, 9, 3, 64, window)
 
 
+@pytest.mark.parametrize("window", [None, 37])
+def test_long_extends_through_sdpa_beside_the_kernel(kernels, window):
+    """sdpa_extend_pairs (bfloat16 on AMX CPUs, with sdpa_from): an extend of at least
+    SDPA_EXTEND_MIN_NEW new tokens and that many attended (query, key) pairs runs SDPA over its
+    gathered prefix; the smaller extends stay in the kernel, in the same step."""
+    assert torch_backend.SDPA_EXTEND_MIN_NEW <= 90
+    backend = native_backend()
+    backend.sdpa_from, backend.sdpa_extend_pairs = 37, 90 * 13 + 90 * 91 // 2  # (13, 90)'s
+    q, k, v, k_cache, v_cache, meta = step(16, 9, 3, 64, torch.float32)
+    got = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    # (13, 90) and the long fresh prompts; not (50, 5) nor (33, 16): too few new tokens
+    assert backend._plan.sdpa_rows == [0, 1, 4]
+    assert backend._plan.prefill_rows.tolist() == [3, 5, 6, 8]
+    want = reference(q, k_cache, v_cache, meta, 0.125, window)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    backend = native_backend()  # (a backend plans once per step's metadata)
+    backend.sdpa_from, backend.sdpa_extend_pairs = 37, 90 * 13 + 90 * 91 // 2 + 1  # one short
+    backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    assert backend._plan.sdpa_rows == [0, 4]
+    backend = native_backend()
+    backend.sdpa_extend_pairs = 1  # without sdpa_from nothing goes to SDPA
+    backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    assert backend._plan.sdpa_rows == []
+    backend = native_backend()
+    backend.sdpa_from, backend.sdpa_extend_pairs = 37, 5000
+    check_bf16(backend, 16, 9, 3, 64, window)
+
+
 @pytest.mark.parametrize("window", [None, 20])
 def test_bf16_prompts_padded_for_sdpa_match_the_unpadded_answer(window):
     """Fresh bfloat16 prompts go to SDPA padded with zero rows to a multiple of SDPA_PAD (the
@@ -198,9 +226,11 @@ def test_model_runner_prefills_through_the_kernel(kernels, smol_path, dtype, mon
     runner = ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)
     assert runner.prefill_kernel == want and runner.backend.use_native_prefill
     assert runner.info()["prefill_attention"] == want
+    assert runner.backend.sdpa_extend_pairs == (model_runner.SDPA_EXTEND_PAIRS if sdpa else None)
     monkeypatch.setenv("TOKENLINE_SDPA_PROMPTS_FROM", "off")
     runner = ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)
     assert runner.prefill_kernel == "native" and runner.backend.sdpa_from is None
+    assert runner.backend.sdpa_extend_pairs is None
     monkeypatch.setenv("TOKENLINE_SDPA_PROMPTS_FROM", "1")
     with pytest.raises(ValueError, match="off or an integer >= 2"):
         ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)

@@ -57,6 +57,11 @@ DECODE_GROUP = 8
 # Fresh bfloat16 prompts run SDPA at a multiple of this many tokens (see _fresh_prompt).
 SDPA_PAD = 16
 
+# With `sdpa_extend_pairs` set, an extend needs at least this many new tokens to go to SDPA:
+# below it the gather of the whole prefix costs more than the kernel saves (bfloat16 on AMX,
+# 2 cores: 32 new tokens after 2,048 run 1.67 ms in SDPA against 1.60 in ours).
+SDPA_EXTEND_MIN_NEW = 48
+
 
 @dataclass
 class _Group:
@@ -99,15 +104,29 @@ class _Plan:
     # the native kernels' int32 tables and lengths, made once per step (not once per layer)
     tables: torch.Tensor | None = None
     lens: torch.Tensor | None = None
-    sdpa_rows: list[int] = field(default_factory=list)  # fresh prompts for SDPA (sdpa_from)
+    # the requests with several new tokens that run SDPA (see TorchBackend.sdpa_from)
+    sdpa_rows: list[int] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
         return len(self.decode_rows) == len(self.starts) - 1
 
 
+def _to_sdpa(new: int, total: int, sdpa_from: int | None, extend_pairs: int | None) -> bool:
+    """Whether a request of `new` tokens out of `total` runs SDPA beside the native kernels: a
+    fresh prompt from `sdpa_from` tokens, an extend from `extend_pairs` (query, key) pairs under
+    the causal mask (with SDPA_EXTEND_MIN_NEW new tokens or more)."""
+    if new < 2 or sdpa_from is None:
+        return False
+    if new == total:
+        return new >= sdpa_from
+    pairs = new * (total - new) + new * (new + 1) // 2
+    return extend_pairs is not None and new >= SDPA_EXTEND_MIN_NEW and pairs >= extend_pairs
+
+
 def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
-          groups: bool, sdpa_from: int | None = None) -> _Plan:
+          groups: bool, sdpa_from: int | None = None,
+          extend_pairs: int | None = None) -> _Plan:
     p = meta.page_size
     starts = [0]
     for n in meta.query_lens_cpu:
@@ -117,8 +136,7 @@ def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
     order = sorted(range(len(rows)), key=lambda i: lens[rows[i]])
     tokens = [starts[b] for b in rows]
     lens_q = meta.query_lens_cpu
-    sdpa_rows = [] if sdpa_from is None else [
-        b for b, n in enumerate(lens_q) if n > 1 and n >= sdpa_from and n == lens[b]]
+    sdpa_rows = [b for b, n in enumerate(lens_q) if _to_sdpa(n, lens[b], sdpa_from, extend_pairs)]
     to_sdpa = set(sdpa_rows)
     plan = _Plan(starts, rows, tokens, torch.tensor(rows, device=device),
                  torch.tensor([b for b, n in enumerate(lens_q) if n > 1 and b not in to_sdpa],
@@ -174,10 +192,13 @@ class TorchBackend(AttentionBackend):
     def __init__(self, use_native: bool = False, use_native_prefill: bool = False) -> None:
         self.use_native = use_native  # decodes through the C++ kernel (CPU)
         self.use_native_prefill = use_native_prefill  # prefills and extends through C++ (CPU)
-        # With use_native_prefill: fresh prompts of at least this many tokens go to torch's
-        # SDPA instead (the model runner sets it in bfloat16 where the CPU has AMX, whose tiles
-        # torch's flash kernel uses and ours does not: docs/benchmarks.md has the crossover)
+        # With use_native_prefill: fresh prompts of at least `sdpa_from` tokens, and extends
+        # of at least `sdpa_extend_pairs` attended (query, key) pairs, go to torch's SDPA
+        # instead (the model runner sets both in bfloat16 where the CPU has AMX, whose tiles
+        # torch's flash kernel uses and ours does not: docs/benchmarks.md has the crossovers).
+        # Extends need sdpa_from set as well.
         self.sdpa_from: int | None = None
+        self.sdpa_extend_pairs: int | None = None
         self._meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
         # Gathered K and V land here, reused by every group and layer: a fresh buffer per
@@ -200,7 +221,7 @@ class TorchBackend(AttentionBackend):
         if meta is not self._meta:  # the first layer of a step plans for all of them
             self._meta, self._plan = meta, _plan(
                 meta, q.device, q.dtype, not self.use_native,
-                self.sdpa_from if self.use_native_prefill else None)
+                self.sdpa_from if self.use_native_prefill else None, self.sdpa_extend_pairs)
         plan = self._plan
         assert plan is not None
         if plan.decode_only and self.use_native:  # one C++ call: the cache writes and attention
