@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -92,15 +93,35 @@ class Extension:
     def _name(self) -> str:
         """-march=native: the build is for this CPU, so the CPU's flags are part of its name; so
         is the source's path, which ninja's build file holds: two checkouts sharing one build
-        directory would rebuild it for each other on every load."""
+        directory would rebuild it for each other on every load. The headers it includes are
+        hashed with the source: an edit to one is a new build, never a stale module."""
         flags = " ".join(sorted(cpu_flags()))
-        key = hashlib.sha256(b"\0".join([self.source.read_bytes(), str(self.source).encode(),
-                                         flags.encode(), torch.__version__.encode(),
-                                         " ".join(CFLAGS).encode()]))
+        headers = [h.read_bytes() for h in local_headers(self.source)]
+        key = hashlib.sha256(b"\0".join([self.source.read_bytes(), *headers,
+                                         str(self.source).encode(), flags.encode(),
+                                         torch.__version__.encode(), " ".join(CFLAGS).encode()]))
         return f"tokenline_{self.source.stem}_{key.hexdigest()[:12]}"
 
 
 EXTENSIONS: list[Extension] = []
+
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+
+
+def local_headers(source: Path) -> list[Path]:
+    """The files a source names in `#include "..."` (relative to the includer, as the compiler
+    looks first), and theirs in turn, in the order met; a name not found there is left to the
+    compiler's own search path, which holds none of ours."""
+    found: list[Path] = []
+    todo = [source]
+    while todo:
+        current = todo.pop(0)
+        for name in _LOCAL_INCLUDE.findall(current.read_text()):
+            header = (current.parent / name).resolve()
+            if header.is_file() and header not in found:
+                found.append(header)
+                todo.append(header)
+    return found
 
 
 def _toolchain_missing() -> str | None:

@@ -48,6 +48,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "../cpu_vec.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define TOKENLINE_AVX512 1
@@ -199,24 +201,6 @@ inline __m512 sum_lanes16(const __m512 (&v)[kTile]) {
                        _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// e^x for x <= 0 (Cephes' expf: a degree-6 polynomial on x - n ln2, then a scale by 2^n);
-// below -87 the result is taken as e^-87, which is ~0 beside the e^0 of the max
-inline __m512 exp512(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 inline __mmask16 first_lanes(int n) {
   return n >= kTile ? __mmask16(0xffff) : __mmask16((1u << n) - 1);
 }
@@ -361,7 +345,8 @@ inline float fold_scores(float* __restrict s, int n, float& m, float& l) {
   float sum = 0.f;
 #ifdef TOKENLINE_AVX512
   const __mmask16 live = first_lanes(n);
-  const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s), _mm512_set1_ps(mx)));
+  const __m512 e =
+      tokenline::exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s), _mm512_set1_ps(mx)));
   _mm512_mask_storeu_ps(s, live, e);
   sum = _mm512_reduce_add_ps(_mm512_maskz_mov_ps(live, e));
 #else

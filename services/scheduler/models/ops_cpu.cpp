@@ -34,6 +34,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../cpu_vec.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TL_AVX512 1
@@ -195,26 +197,6 @@ void rotary_impl(T* x, const int64_t* pos, const float* cos, const float* sin, i
 }
 
 #if TL_AVX512
-// e^x in float32 for x in [-87, 80] (clamped to it; a NaN stays NaN): Cephes' expf, a degree-6
-// polynomial on r = x - n ln2 (ln2 in two parts), scaled by 2^n. About 1 ulp from the exact
-// value, as glibc's expf is.
-inline __m512 exp16(__m512 x) {
-  // the constant first: min/max return their second operand when one is NaN
-  x = _mm512_max_ps(_mm512_set1_ps(-87.f), _mm512_min_ps(_mm512_set1_ps(80.f), x));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
 // a / b for b >= 1 (finite): rcp14's estimate of 1 / b sharpened by one Newton step, then
 // times a: within ~2 ulp of a true division, at a fifth of vdivps's cost (which was half the
 // activation's time)
@@ -234,7 +216,7 @@ struct Silu {
   static float apply(float g) { return g / (1.f + std::exp(std::min(-g, 80.f))); }
 #if TL_AVX512
   static __m512 apply16(__m512 g) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    const __m512 e = tokenline::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
     return div16(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
   }
 #endif
@@ -251,7 +233,7 @@ struct GeluTanh {
     const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
     const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
                                    _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
-    const __m512 e = exp16(_mm512_add_ps(u, u));
+    const __m512 e = tokenline::exp16(_mm512_add_ps(u, u));
     const __m512 two = _mm512_set1_ps(2.f);
     const __m512 t = _mm512_sub_ps(two, div16(two, _mm512_add_ps(e, _mm512_set1_ps(1.f))));
     return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), t);

@@ -1,0 +1,33 @@
+// Vector helpers the C++ CPU extensions share (included as "../cpu_vec.h"; native.py hashes
+// the headers a source includes into its build's name, so an edit here rebuilds them all).
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace tokenline {
+
+// e^x in float32 for x in [-87, 80] (clamped to it; a NaN stays NaN): Cephes' expf, a degree-6
+// polynomial on r = x - n ln2 (ln2 in two parts), scaled by 2^n. About 1 ulp from the exact
+// value, as glibc's expf is. Below -87 the result is e^-87, ~0 beside the e^0 of a softmax's
+// max.
+inline __m512 exp16(__m512 x) {
+  // the constant first: min/max return their second operand when one is NaN
+  x = _mm512_max_ps(_mm512_set1_ps(-87.f), _mm512_min_ps(_mm512_set1_ps(80.f), x));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+}  // namespace tokenline
+
+#endif  // __AVX512F__
