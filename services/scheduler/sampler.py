@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from common.messages import LogprobOut, SamplingParams
+from services.scheduler.models.layers import fused_ops
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1
@@ -182,6 +183,18 @@ def _draw(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return chosen.clamp_(max=weights.shape[-1] - 1)
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's greedy token, as logits.argmax(-1) gives it (the first maximum; a NaN first).
+
+    On CPU the C++ pass (ops_cpu.cpp's argmax_rows): torch's argmax over a 64-row batch of a
+    49,152-token vocabulary took 5.2 ms, ten times its amax, 5-7% of a bfloat16 decode step.
+    """
+    ops = fused_ops(logits)
+    if ops is not None and logits.dim() == 2 and logits.size(1) > 0 and logits.stride(1) == 1:
+        return ops.argmax_rows(logits)
+    return logits.argmax(-1)
+
+
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list | None]:
     """Returns the chosen tokens and, for rows that asked, their logprobs."""
     want_logprobs = any(r.params.logprobs is not None for r in rows)
@@ -195,11 +208,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list
         apply_bias_and_bans(logits, rows)
     greedy = [r.params.greedy for r in rows]
     if all(greedy):
-        tokens = logits.argmax(-1)
+        tokens = argmax(logits)
     elif not any(greedy):
         tokens = _sample_rows(logits if processed else logits.clone(), rows)
     else:
-        tokens = logits.argmax(-1)
+        tokens = argmax(logits)
         idx = [i for i, g in enumerate(greedy) if not g]
         sel = torch.tensor(idx, device=logits.device)
         srows = [rows[i] for i in idx]

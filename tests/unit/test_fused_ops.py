@@ -265,6 +265,70 @@ def test_rows_split_across_threads_give_the_inline_results(ops, dtype):
     assert torch.equal(whole, by_rows)
 
 
+# -- argmax_rows: greedy sampling's pick -------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 1000, 49152])
+def test_argmax_rows_is_torchs_argmax(ops, dtype, n):
+    """Random rows, rows whose maximum repeats (the first wins, in the vector loop and in the
+    tail), a NaN (it counts as the maximum: the first NaN), all -inf, -0 against +0, and a
+    maximum in the last element (the scalar tail)."""
+    torch.manual_seed(n)
+    x = torch.randn(9, n).to(dtype)
+    x[1] = 0.5
+    x[2, n // 2:] = 8.0
+    x[3, n // 3] = float("nan")
+    x[3, n - 1] = float("nan")
+    x[4] = float("-inf")
+    x[5] = -1.0
+    x[5, n - 1] = -0.0
+    x[5, n // 2] = 0.0
+    x[6, n - 1] = 100.0
+    x[7, n // 2] = float("inf")
+    x[8] = float("-inf")
+    x[8, n - 1] = float("nan")
+    got = ops.argmax_rows(x)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
+
+
+def test_argmax_rows_reads_strided_rows_and_splits_across_threads(ops):
+    """A view of every other row (row stride twice the width), and 64 rows of a 49,152-token
+    vocabulary: past kParallelWork, so split across threads, and still the first maximum."""
+    torch.manual_seed(5)
+    wide = torch.randn(128, 49152)
+    wide[::2, 40000] = 50.0
+    wide[::2, 45000] = 50.0
+    view = wide[::2]
+    assert torch.equal(ops.argmax_rows(view), view.argmax(-1))
+    assert bool((ops.argmax_rows(view) == 40000).all())
+    with pytest.raises(RuntimeError, match="V > 0"):
+        ops.argmax_rows(torch.empty(2, 0))
+    with pytest.raises(RuntimeError, match="rows contiguous"):
+        ops.argmax_rows(wide.t())
+
+
+def test_greedy_sampling_runs_the_kernel_and_falls_back_to_torch(monkeypatch):
+    """sampler.argmax goes through the C++ pass for CPU float32 and bfloat16 logits, and
+    through torch for what the kernel does not take (float16; TOKENLINE_CPU_KERNELS=0, which
+    leaves no module): the same tokens either way."""
+    from services.scheduler import sampler
+
+    torch.manual_seed(2)
+    logits = torch.randn(64, 5000)
+    calls = []
+    real = native_ops.argmax_rows
+    monkeypatch.setattr(layers, "_ops_module", type("Spy", (), {
+        "argmax_rows": staticmethod(lambda x: calls.append(x.dtype) or real(x))})())
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert torch.equal(sampler.argmax(logits.to(dtype)), logits.to(dtype).argmax(-1))
+    assert calls == [torch.float32, torch.bfloat16]
+    monkeypatch.setattr(layers, "_ops_module", None)
+    assert torch.equal(sampler.argmax(logits), logits.argmax(-1))
+    assert len(calls) == 2
+
+
 def test_other_dtypes_are_refused_by_the_kernels_and_run_in_torch():
     x = torch.randn(3, 8, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
