@@ -9,9 +9,13 @@ the columns of one run):
   (paged_prefill_cpu.cpp) or the torch path it replaces (SDPA is_causal on a fresh prompt's
   own k, v; gather + SDPA with a bool mask for an extend), the cache writes of the step's k, v
   included on both sides. GFLOP/s count the causal half only;
+- the extend grid (--extends, `cached:new` pairs): n new tokens after c cached, SDPA against the
+  kernel, and which of the two the model runner's route (TorchBackend.sdpa: AMX_BF16 in
+  bfloat16 where the CPU has AMX, nothing elsewhere) picks for it on this machine;
 - with --steps, whole forward passes of the real SmolLM2 (ModelRunner.forward: a 2,048-token
-  prefill, that burst step with 20 decodes beside it, a 512-token extend after 1,536 cached),
-  and the time spent in the attention backend (cache writes and decodes included).
+  prefill, that burst step with 20 decodes beside it, a 512-token extend after 1,536 cached, and
+  a 6,000-token prompt's three 2,048-token chunks), and the time spent in the attention backend
+  (cache writes and decodes included): all in SDPA, all in the kernel, and as routed.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch  # noqa: E402
 
 from services.scheduler.attention.base import AttentionMetadata  # noqa: E402
 from services.scheduler.attention.torch_backend import TorchBackend, prefill_kernels  # noqa: E402
+from services.scheduler.model_runner import _sdpa_route  # noqa: E402
 
 HQ, HKV, D, PAGE = 9, 3, 64, 16
 BURST = [90, 120, 150, 180, 200, 220, 250, 270, 300, 248]  # a prefill step of the 64-request burst
@@ -91,6 +96,32 @@ def attention_table(lengths: list[int], dtypes: list[torch.dtype], repeats: int)
     return lines
 
 
+# n new after c cached: around AMX_BF16's crossover (64K pairs, 48 new) and far from it
+EXTENDS = "128:128,128:256,1024:100,2048:64,2048:256,1500:16,2048:32"
+
+
+def extend_table(extends: list[tuple[int, int]], dtypes: list[torch.dtype],
+                 repeats: int) -> list[str]:
+    lines = ["| dtype | extend | pairs | SDPA ms | kernel ms | SDPA / kernel | the route picks |",
+             "|---|---|---|---|---|---|---|"]
+    for dtype in dtypes:
+        route = _sdpa_route(dtype)
+        for c, n in extends:
+            args = (*_step([(c, n)], dtype), D**-0.5)
+            times = {}
+            for native in (False, True, False, True):
+                backend = TorchBackend(use_native_prefill=native)
+                best = _fastest(lambda b=backend, a=args: b.forward(*a), repeats)
+                times[native] = min(times.get(native, best), best)
+            picks = "SDPA" if route is not None and route.takes(n, c + n) else "kernel"
+            pairs = n * c + n * (n + 1) // 2
+            lines.append(f"| {str(dtype).removeprefix('torch.')} | {n} after {c} | "
+                         f"{pairs / 1024:.0f}K | {times[False] * 1e3:.2f} | "
+                         f"{times[True] * 1e3:.2f} | **{times[False] / times[True]:.2f}** | "
+                         f"{picks} |")
+    return lines
+
+
 def step_table(dtypes: list[str], rounds: int) -> list[str]:
     from common.messages import SamplingParams
     from common.modelstore import prepare_model
@@ -107,8 +138,11 @@ def step_table(dtypes: list[str], rounds: int) -> list[str]:
         finally:
             spent[0] += time.perf_counter() - t
 
-    lines = ["| dtype | step | SDPA step ms | kernel step ms | SDPA attention ms | "
-             "kernel attention ms |", "|---|---|---|---|---|---|"]
+    # (use_native_prefill, the route): all SDPA, all kernel, as the model runner routes
+    sides = {"SDPA": (False, None), "kernel": (True, None), "routed": (True, "runner")}
+    lines = ["| dtype | step | " + " | ".join(f"{k} step ms" for k in sides) + " | "
+             + " | ".join(f"{k} attention ms" for k in sides) + " |",
+             "|---|---|" + "---|" * 2 * len(sides)]
     TorchBackend.forward = timed
     try:
         for dtype in dtypes:
@@ -132,22 +166,30 @@ def step_table(dtypes: list[str], rounds: int) -> list[str]:
                 "burst: 10 prompts + 20 decodes": requests(
                     [0] * 10 + [150 + 10 * i for i in range(20)], BURST + [1] * 20),
                 "extend 512 after 1,536": requests([1536], [512]),
+                # the chunks of one prompt, each after the ones before: three forwards
+                "prompt 6,000 in chunks of 2,048": [requests([c], [n]) for c, n in
+                                                    ((0, 2048), (2048, 2048), (4096, 1904))],
             }
-            for name, (reqs, new) in steps.items():
-                seen: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+            route = runner.backend.sdpa
+            for name, chunks in steps.items():
+                chunks = chunks if isinstance(chunks, list) else [chunks]
+                seen: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
                 for r in range(rounds + 1):
-                    for native in (False, True):
+                    for side, (native, routed) in sides.items():
                         runner.backend.use_native_prefill = native
+                        runner.backend.sdpa = route if routed else None
                         spent[0] = 0.0
                         t = time.perf_counter()
-                        runner.forward(reqs, new, [0])
+                        for reqs, new in chunks:
+                            runner.forward(reqs, new, [0])
                         if r:  # the first round warms up
-                            seen[native].append((time.perf_counter() - t, spent[0]))
-                runner.backend.use_native_prefill = True
+                            seen[side].append((time.perf_counter() - t, spent[0]))
+                runner.backend.use_native_prefill, runner.backend.sdpa = True, route
                 med = {k: [statistics.median(x[i] for x in v) * 1e3 for i in (0, 1)]
                        for k, v in seen.items()}
-                lines.append(f"| {dtype} | {name} | {med[False][0]:.0f} | {med[True][0]:.0f} | "
-                             f"{med[False][1]:.0f} | {med[True][1]:.0f} |")
+                lines.append(f"| {dtype} | {name} | "
+                             + " | ".join(f"{med[k][0]:.0f}" for k in sides) + " | "
+                             + " | ".join(f"{med[k][1]:.0f}" for k in sides) + " |")
     finally:
         TorchBackend.forward = forward
     return lines
@@ -160,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated prompt lengths")
     parser.add_argument("--dtype", default="float32,bfloat16", help="comma-separated")
     parser.add_argument("--repeats", type=int, default=5, help="calls per side (fastest kept)")
+    parser.add_argument("--extends", default=EXTENDS,
+                        help="comma-separated cached:new pairs for the extend grid ('' skips it)")
     parser.add_argument("--steps", action="store_true", help="also whole SmolLM2 steps")
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of --steps")
     args = parser.parse_args(argv)
@@ -167,8 +211,17 @@ def main(argv: list[str] | None = None) -> int:
     if native.module is None:
         parser.error(f"no C++ prefill kernel here: {native.missing or native.error}")
     dtypes = args.dtype.split(",")
+    try:
+        extends = [tuple(int(v) for v in pair.split(":")) for pair in args.extends.split(",")
+                   if pair]
+    except ValueError:
+        parser.error(f"--extends: cached:new pairs of integers, not {args.extends!r}")
+    if any(len(e) != 2 or e[0] < 1 or e[1] < 2 for e in extends):
+        parser.error(f"--extends: each pair is cached (>= 1) : new (>= 2), not {args.extends!r}")
     lines = attention_table([int(n) for n in args.lengths.split(",")],
                             [getattr(torch, d) for d in dtypes], args.repeats)
+    if extends:
+        lines += [""] + extend_table(extends, [getattr(torch, d) for d in dtypes], args.repeats)
     if args.steps:
         lines += [""] + step_table(dtypes, args.rounds)
     print("\n".join(lines))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +15,8 @@ from common.logging import get_logger
 from services.scheduler import quant
 from services.scheduler.attention.base import AttentionMetadata, get_backend
 from services.scheduler.attention.torch_backend import (
+    AMX_BF16,
+    SdpaRoute,
     TorchBackend,
     cpu_kernels,
     native_kernels,
@@ -29,20 +32,10 @@ GiB = 1 << 30
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-# Fresh bfloat16 prompts from this many tokens run torch's SDPA where the CPU has AMX: its flash
-# kernel multiplies on AMX tiles (264 against our kernel's 95 GFLOP/s at 2,048 tokens, 0.85
-# against 1.10 ms a layer at 256; at 128 and in a burst of short prompts ours is as fast or
-# faster: docs/benchmarks.md). TOKENLINE_SDPA_PROMPTS_FROM=N moves the crossover, =off keeps
-# every prompt, and every extend, in our kernel.
-SDPA_PROMPTS_FROM = 256
-# Extends (new tokens after a cached prefix: a chunked prompt's next chunk, a prefix-cache hit)
-# from this many attended (query, key) pairs run SDPA there too, over the gathered prefix. At
-# 64K pairs it is as fast as ours (256 new after 128 cached), above it faster (100 after 1,024:
-# 0.66x our time; 256 after 2,048: 0.55x), below it slower (128 after 128: 1.24x).
-SDPA_EXTEND_PAIRS = 1 << 16
-
-
-def _sdpa_prompts_from(dtype: torch.dtype) -> int | None:
+def _sdpa_route(dtype: torch.dtype) -> SdpaRoute | None:
+    """What goes to torch's SDPA beside our prefill kernel: AMX_BF16 in bfloat16 where the CPU
+    has AMX, nothing elsewhere. TOKENLINE_SDPA_PROMPTS_FROM=N moves the fresh-prompt crossover
+    (in any dtype, extends as AMX_BF16), =off keeps every prompt and extend in our kernel."""
     raw = os.environ.get("TOKENLINE_SDPA_PROMPTS_FROM")
     if raw is not None:
         if raw == "off":
@@ -50,9 +43,9 @@ def _sdpa_prompts_from(dtype: torch.dtype) -> int | None:
         if not raw.isdigit() or int(raw) < 2:
             raise ValueError(f"TOKENLINE_SDPA_PROMPTS_FROM must be off or an integer >= 2, "
                              f"not {raw!r}")
-        return int(raw)
+        return replace(AMX_BF16, prompts_from=int(raw))
     if dtype == torch.bfloat16 and "amx_bf16" in cpu_flags():
-        return SDPA_PROMPTS_FROM
+        return AMX_BF16
     return None
 
 
@@ -252,10 +245,9 @@ class ModelRunner:
                      "prefill attention runs in torch (SDPA)", architecture=self.architecture)
         if not self.backend.use_native_prefill:
             return "sdpa"
-        self.backend.sdpa_from = _sdpa_prompts_from(self.dtype)
-        if self.backend.sdpa_from is not None:
-            self.backend.sdpa_extend_pairs = SDPA_EXTEND_PAIRS
-            return f"native+sdpa_from_{self.backend.sdpa_from}"
+        self.backend.sdpa = _sdpa_route(self.dtype)
+        if self.backend.sdpa is not None:
+            return f"native+sdpa_from_{self.backend.sdpa.prompts_from}"
         return "native"
 
     @property

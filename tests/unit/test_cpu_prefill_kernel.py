@@ -12,13 +12,14 @@ from the exact answer than torch's bf16 SDPA is.
 from __future__ import annotations
 
 import platform
+from dataclasses import replace
 
 import pytest
 import torch
 
 from services.scheduler.attention import torch_backend
 from services.scheduler.attention.base import AttentionMetadata
-from services.scheduler.attention.torch_backend import TorchBackend, prefill_kernels
+from services.scheduler.attention.torch_backend import SdpaRoute, TorchBackend, prefill_kernels
 from services.scheduler.native import cpu_flags
 from tests.helpers import portable_build
 from tests.unit.test_cpu_decode_kernel import random_step
@@ -97,10 +98,11 @@ def test_bf16_prefill_and_extend_match_float64(kernels, page, hq, hkv, d, window
 
 @pytest.mark.parametrize("window", [None, 37])
 def test_long_fresh_prompts_through_sdpa_beside_the_kernel(kernels, window):
-    """sdpa_from (bfloat16 on AMX CPUs): fresh prompts of at least that many tokens run SDPA,
-    the shorter ones, the extends and the decodes the kernels, in the same step."""
+    """An SdpaRoute's prompts_from (bfloat16 on AMX CPUs): fresh prompts of at least that many
+    tokens run SDPA, the shorter ones, the extends and the decodes the kernels, in the same
+    step."""
     backend = native_backend()
-    backend.sdpa_from = 37
+    backend.sdpa = SdpaRoute(prompts_from=37)
     q, k, v, k_cache, v_cache, meta = step(16, 9, 3, 64, torch.float32)
     got = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
     assert backend._plan.sdpa_rows == [0, 4]  # (0, 37) and (0, 181); not (13, 90) nor (0, 3)
@@ -108,18 +110,21 @@ def test_long_fresh_prompts_through_sdpa_beside_the_kernel(kernels, window):
     want = reference(q, k_cache, v_cache, meta, 0.125, window)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     backend = native_backend()
-    backend.sdpa_from = 37
+    backend.sdpa = SdpaRoute(prompts_from=37)
     check_bf16(backend, 16, 9, 3, 64, window)
 
 
 @pytest.mark.parametrize("window", [None, 37])
 def test_long_extends_through_sdpa_beside_the_kernel(kernels, window):
-    """sdpa_extend_pairs (bfloat16 on AMX CPUs, with sdpa_from): an extend of at least
-    SDPA_EXTEND_MIN_NEW new tokens and that many attended (query, key) pairs runs SDPA over its
-    gathered prefix; the smaller extends stay in the kernel, in the same step."""
-    assert torch_backend.SDPA_EXTEND_MIN_NEW <= 90
+    """An SdpaRoute's extend_pairs (bfloat16 on AMX CPUs): an extend of at least extend_min_new
+    new tokens and that many attended (query, key) pairs runs SDPA over its gathered prefix;
+    the smaller extends stay in the kernel, in the same step. AMX_BF16's own thresholds, scaled
+    down to this step's sizes."""
+    assert 16 < torch_backend.AMX_BF16.extend_min_new <= 90
+    route = replace(torch_backend.AMX_BF16, prompts_from=37,
+                    extend_pairs=90 * 13 + 90 * 91 // 2)  # (13, 90)'s
     backend = native_backend()
-    backend.sdpa_from, backend.sdpa_extend_pairs = 37, 90 * 13 + 90 * 91 // 2  # (13, 90)'s
+    backend.sdpa = route
     q, k, v, k_cache, v_cache, meta = step(16, 9, 3, 64, torch.float32)
     got = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
     # (13, 90) and the long fresh prompts; not (50, 5) nor (33, 16): too few new tokens
@@ -128,15 +133,22 @@ def test_long_extends_through_sdpa_beside_the_kernel(kernels, window):
     want = reference(q, k_cache, v_cache, meta, 0.125, window)
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     backend = native_backend()  # (a backend plans once per step's metadata)
-    backend.sdpa_from, backend.sdpa_extend_pairs = 37, 90 * 13 + 90 * 91 // 2 + 1  # one short
+    backend.sdpa = replace(route, extend_pairs=route.extend_pairs + 1)  # one short
     backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
     assert backend._plan.sdpa_rows == [0, 4]
     backend = native_backend()
-    backend.sdpa_extend_pairs = 1  # without sdpa_from nothing goes to SDPA
+    backend.sdpa = replace(route, extend_pairs=None)  # extends stay in the kernel
+    backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    assert backend._plan.sdpa_rows == [0, 4]
+    backend = native_backend()
+    backend.sdpa = replace(route, extend_pairs=1, extend_min_new=91)  # (13, 90): too few new
+    backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
+    assert backend._plan.sdpa_rows == [0, 4]
+    backend = native_backend()  # no route: nothing goes to SDPA
     backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, window)
     assert backend._plan.sdpa_rows == []
     backend = native_backend()
-    backend.sdpa_from, backend.sdpa_extend_pairs = 37, 5000
+    backend.sdpa = replace(route, extend_pairs=5000)
     check_bf16(backend, 16, 9, 3, 64, window)
 
 
@@ -217,20 +229,22 @@ def test_kernel_says_which_shapes_it_has(kernels):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_runner_prefills_through_the_kernel(kernels, smol_path, dtype, monkeypatch):
-    from services.scheduler import model_runner
     from services.scheduler.model_runner import ModelRunner
 
     # long fresh bfloat16 prompts go to SDPA where the CPU has AMX, never in float32
     sdpa = dtype == "bfloat16" and "amx_bf16" in cpu_flags()
-    want = f"native+sdpa_from_{model_runner.SDPA_PROMPTS_FROM}" if sdpa else "native"
+    want = f"native+sdpa_from_{torch_backend.AMX_BF16.prompts_from}" if sdpa else "native"
     runner = ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)
     assert runner.prefill_kernel == want and runner.backend.use_native_prefill
     assert runner.info()["prefill_attention"] == want
-    assert runner.backend.sdpa_extend_pairs == (model_runner.SDPA_EXTEND_PAIRS if sdpa else None)
+    assert runner.backend.sdpa == (torch_backend.AMX_BF16 if sdpa else None)
+    monkeypatch.setenv("TOKENLINE_SDPA_PROMPTS_FROM", "300")  # moves the prompts' crossover
+    runner = ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)
+    assert runner.prefill_kernel == "native+sdpa_from_300"
+    assert runner.backend.sdpa == replace(torch_backend.AMX_BF16, prompts_from=300)
     monkeypatch.setenv("TOKENLINE_SDPA_PROMPTS_FROM", "off")
     runner = ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)
-    assert runner.prefill_kernel == "native" and runner.backend.sdpa_from is None
-    assert runner.backend.sdpa_extend_pairs is None
+    assert runner.prefill_kernel == "native" and runner.backend.sdpa is None
     monkeypatch.setenv("TOKENLINE_SDPA_PROMPTS_FROM", "1")
     with pytest.raises(ValueError, match="off or an integer >= 2"):
         ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)

@@ -277,11 +277,8 @@ def test_gguf_weights_read_q8_0_layers_for_int8(tmp_path):
 def test_portable_kernels_match_reference():
     """The plain C++ path that machines without AVX512 build (CI may be AVX2 only), built here
     with AVX512 switched off: the same layout, the same numbers within float32 summation."""
-    import hashlib
-
-    import torch.utils.cpp_extension as cpp_extension
-
     from services.scheduler import native
+    from tests.helpers import portable_build
 
     missing = native._toolchain_missing()
     if missing:
@@ -289,16 +286,8 @@ def test_portable_kernels_match_reference():
     if platform.machine().lower() not in ("x86_64", "amd64"):
         # -mno-avx512f exists on x86 only; elsewhere the suite's own build is the portable one
         pytest.skip(f"{platform.machine()}: no AVX512 to switch off")
-    source = quant.KERNELS.source
-    if "avx512f" not in native.cpu_flags():  # the suite's own build is the portable one here
-        module = quant.KERNELS.module()
-    else:
-        flags = [*native.CFLAGS, "-mno-avx512f"]
-        key = hashlib.sha256(source.read_bytes() + str(source).encode()
-                             + " ".join(flags).encode())
-        module = cpp_extension.load(name=f"tokenline_quant_cpu_portable_{key.hexdigest()[:12]}",
-                                    sources=[str(source)], extra_cflags=flags,
-                                    extra_ldflags=["-fopenmp"])
+    module = portable_build(quant.KERNELS.source, "the portable int8/int4 matmul kernels").module
+    assert module is not None
     assert not module.vectorized()
     torch.manual_seed(6)
     for (n, k), batch in [((48, 96), 1), ((33, 100), 7), ((5, 31), 64), ((40, 64), 16),

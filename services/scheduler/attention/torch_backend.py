@@ -57,10 +57,41 @@ DECODE_GROUP = 8
 # Fresh bfloat16 prompts run SDPA at a multiple of this many tokens (see _fresh_prompt).
 SDPA_PAD = 16
 
-# With `sdpa_extend_pairs` set, an extend needs at least this many new tokens to go to SDPA:
-# below it the gather of the whole prefix costs more than the kernel saves (bfloat16 on AMX,
-# 2 cores: 32 new tokens after 2,048 run 1.67 ms in SDPA against 1.60 in ours).
-SDPA_EXTEND_MIN_NEW = 48
+
+@dataclass(frozen=True)
+class SdpaRoute:
+    """Which requests with several new tokens go to torch's SDPA instead of our prefill kernel
+    (TorchBackend.sdpa; the model runner sets AMX_BF16 where it pays, docs/benchmarks.md has
+    the grids): fresh prompts of `prompts_from` tokens or more, and extends (new tokens after a
+    cached prefix: a chunked prompt's next chunk, a prefix-cache hit) of `extend_min_new` new
+    tokens or more that attend to `extend_pairs` (query, key) pairs or more under the causal
+    mask (None: extends stay in the kernel)."""
+
+    prompts_from: int
+    extend_pairs: int | None = None
+    extend_min_new: int = 1
+
+    def takes(self, new: int, total: int) -> bool:
+        """Whether a request of `new` tokens out of `total` runs SDPA."""
+        if new < 2:
+            return False
+        if new == total:
+            return new >= self.prompts_from
+        pairs = new * (total - new) + new * (new + 1) // 2
+        return (self.extend_pairs is not None and new >= self.extend_min_new
+                and pairs >= self.extend_pairs)
+
+
+# bfloat16 where the CPU has AMX: torch's flash kernel multiplies on AMX tiles, ours does not.
+# - Fresh prompts from 256 tokens: 264 against our kernel's 95 GFLOP/s at 2,048 tokens, 0.85
+#   against 1.10 ms a layer at 256; at 128, and in a burst of short prompts, ours is as fast.
+# - Extends from 64K attended pairs: as fast as ours at 64K (256 new after 128 cached), faster
+#   above (100 after 1,024: 0.66x our time; 256 after 2,048: 0.55x), slower below (128 after
+#   128: 1.24x).
+# - and 48 new tokens or more: below that the gather of the whole prefix costs more than SDPA
+#   saves (32 new after 2,048: 1.67 ms in SDPA against 1.60 in ours).
+# `python -m bench.prefill_attention --extends ...` measures the grid on a machine.
+AMX_BF16 = SdpaRoute(prompts_from=256, extend_pairs=1 << 16, extend_min_new=48)
 
 
 @dataclass
@@ -104,7 +135,7 @@ class _Plan:
     # the native kernels' int32 tables and lengths, made once per step (not once per layer)
     tables: torch.Tensor | None = None
     lens: torch.Tensor | None = None
-    # the requests with several new tokens that run SDPA (see TorchBackend.sdpa_from)
+    # the requests with several new tokens that run SDPA (see TorchBackend.sdpa)
     sdpa_rows: list[int] = field(default_factory=list)
 
     @property
@@ -112,21 +143,8 @@ class _Plan:
         return len(self.decode_rows) == len(self.starts) - 1
 
 
-def _to_sdpa(new: int, total: int, sdpa_from: int | None, extend_pairs: int | None) -> bool:
-    """Whether a request of `new` tokens out of `total` runs SDPA beside the native kernels: a
-    fresh prompt from `sdpa_from` tokens, an extend from `extend_pairs` (query, key) pairs under
-    the causal mask (with SDPA_EXTEND_MIN_NEW new tokens or more)."""
-    if new < 2 or sdpa_from is None:
-        return False
-    if new == total:
-        return new >= sdpa_from
-    pairs = new * (total - new) + new * (new + 1) // 2
-    return extend_pairs is not None and new >= SDPA_EXTEND_MIN_NEW and pairs >= extend_pairs
-
-
 def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
-          groups: bool, sdpa_from: int | None = None,
-          extend_pairs: int | None = None) -> _Plan:
+          groups: bool, sdpa: SdpaRoute | None = None) -> _Plan:
     p = meta.page_size
     starts = [0]
     for n in meta.query_lens_cpu:
@@ -136,7 +154,7 @@ def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
     order = sorted(range(len(rows)), key=lambda i: lens[rows[i]])
     tokens = [starts[b] for b in rows]
     lens_q = meta.query_lens_cpu
-    sdpa_rows = [b for b, n in enumerate(lens_q) if _to_sdpa(n, lens[b], sdpa_from, extend_pairs)]
+    sdpa_rows = [] if sdpa is None else [b for b, n in enumerate(lens_q) if sdpa.takes(n, lens[b])]
     to_sdpa = set(sdpa_rows)
     plan = _Plan(starts, rows, tokens, torch.tensor(rows, device=device),
                  torch.tensor([b for b, n in enumerate(lens_q) if n > 1 and b not in to_sdpa],
@@ -192,13 +210,9 @@ class TorchBackend(AttentionBackend):
     def __init__(self, use_native: bool = False, use_native_prefill: bool = False) -> None:
         self.use_native = use_native  # decodes through the C++ kernel (CPU)
         self.use_native_prefill = use_native_prefill  # prefills and extends through C++ (CPU)
-        # With use_native_prefill: fresh prompts of at least `sdpa_from` tokens, and extends
-        # of at least `sdpa_extend_pairs` attended (query, key) pairs, go to torch's SDPA
-        # instead (the model runner sets both in bfloat16 where the CPU has AMX, whose tiles
-        # torch's flash kernel uses and ours does not: docs/benchmarks.md has the crossovers).
-        # Extends need sdpa_from set as well.
-        self.sdpa_from: int | None = None
-        self.sdpa_extend_pairs: int | None = None
+        # With use_native_prefill: the requests `sdpa` takes go to torch's SDPA instead (the
+        # model runner sets AMX_BF16 in bfloat16 where the CPU has AMX)
+        self.sdpa: SdpaRoute | None = None
         self._meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
         # Gathered K and V land here, reused by every group and layer: a fresh buffer per
@@ -221,7 +235,7 @@ class TorchBackend(AttentionBackend):
         if meta is not self._meta:  # the first layer of a step plans for all of them
             self._meta, self._plan = meta, _plan(
                 meta, q.device, q.dtype, not self.use_native,
-                self.sdpa_from if self.use_native_prefill else None, self.sdpa_extend_pairs)
+                self.sdpa if self.use_native_prefill else None)
         plan = self._plan
         assert plan is not None
         if plan.decode_only and self.use_native:  # one C++ call: the cache writes and attention
