@@ -32,11 +32,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/offline.py
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the scheduler runs: its __main__ says why
 
 import torch  # noqa: E402
 
 from services.scheduler.attention import torch_backend  # noqa: E402
-from services.scheduler.native import Extension  # noqa: E402
+from services.scheduler.native import LOCAL_INCLUDE, Extension  # noqa: E402
 
 HQ, HKV, D, PAGE, LAYERS = 9, 3, 64, 16, 30
 CONTEXTS = [128 + (256 * b) // 63 for b in range(64)]  # step_profile's decode64
@@ -82,17 +83,32 @@ def _time(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def build_at(rev: str, kernel: Extension = torch_backend.DECODE) -> object:
-    """A kernel's source (the decode kernel's unless told) at git revision `rev`, built as an
-    extension of its own."""
-    source = kernel.source
+def source_at(rev: str, kernel: Extension = torch_backend.DECODE) -> Path:
+    """A kernel's source at git revision `rev`, with the headers it includes at that revision,
+    written into a temporary tree laid out as the repository is; the source's path there."""
     root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"],
-                                        cwd=source.parent, text=True).strip())
-    text = subprocess.check_output(["git", "show", f"{rev}:{source.relative_to(root)}"],
-                                   cwd=root, text=True)
-    path = Path(tempfile.mkdtemp(prefix=f"{source.stem}_")) / source.name
-    path.write_text(text)
-    module = Extension(path, f"{kernel.what} at {rev}").module()
+                                        cwd=kernel.source.parent, text=True).strip())
+    source = kernel.source.resolve().relative_to(root)
+    tree = Path(tempfile.mkdtemp(prefix=f"{source.stem}_"))
+    todo, written = [source], set()
+    while todo:  # the source, then each `#include "..."` file it reaches, at its own place
+        rel = todo.pop()
+        text = subprocess.check_output(["git", "show", f"{rev}:{rel.as_posix()}"], cwd=root,
+                                       text=True)
+        (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tree / rel).write_text(text)
+        written.add(rel)
+        for name in LOCAL_INCLUDE.findall(text):
+            header = Path(os.path.normpath(rel.parent / name))
+            if header not in written and header not in todo:
+                todo.append(header)
+    return tree / source
+
+
+def build_at(rev: str, kernel: Extension = torch_backend.DECODE) -> object:
+    """A kernel (the decode kernel's unless told) as it was at git revision `rev`, built as an
+    extension of its own."""
+    module = Extension(source_at(rev, kernel), f"{kernel.what} at {rev}").module()
     assert module is not None, f"{kernel.what} at {rev} did not build"
     return module
 

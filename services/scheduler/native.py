@@ -105,7 +105,7 @@ class Extension:
 
 EXTENSIONS: list[Extension] = []
 
-_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
+LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
 def local_headers(source: Path) -> list[Path]:
@@ -116,7 +116,7 @@ def local_headers(source: Path) -> list[Path]:
     todo = [source]
     while todo:
         current = todo.pop(0)
-        for name in _LOCAL_INCLUDE.findall(current.read_text()):
+        for name in LOCAL_INCLUDE.findall(current.read_text()):
             header = (current.parent / name).resolve()
             if header.is_file() and header not in found:
                 found.append(header)

@@ -41,3 +41,24 @@ def test_a_step_reads_each_request_once_from_its_own_blocks():
         if layout == "contiguous":
             assert flat == list(range(sum(need)))
         assert step.bytes == sum(lens) * 3 * 64 * 2 * 4
+
+
+def test_against_a_revision_writes_the_kernel_with_the_headers_it_includes():
+    """`--against REV` builds the kernel as it was at REV: the source and every header it
+    includes (cpu_vec.h, one folder up) in a tree laid out as the repository is, so that the
+    compiler finds them (before, the source was copied alone and the build failed)."""
+    import subprocess
+    from pathlib import Path
+
+    from services.scheduler.native import local_headers
+
+    source = decode_attention.torch_backend.DECODE.source
+    path = decode_attention.source_at("HEAD")
+    assert path.name == source.name
+    assert path.read_text() == subprocess.check_output(
+        ["git", "show", "HEAD:services/scheduler/attention/paged_decode_cpu.cpp"],
+        cwd=source.parent, text=True)
+    headers = local_headers(path)
+    assert [h.name for h in headers] == ["cpu_vec.h"]
+    tree = Path(*path.parts[: len(path.parts) - 4])  # the temporary repository root
+    assert headers[0] == (tree / "services/scheduler/cpu_vec.h").resolve()

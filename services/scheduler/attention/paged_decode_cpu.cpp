@@ -4,7 +4,7 @@
 // The torch path gathers each request's blocks into a padded copy, then runs SDPA over the
 // copy: the cache is read, written and read again. Here the cache is read once, a block at a
 // time: a block holds page_size rows of all KV heads side by side (page * Hkv * D values, one
-// contiguous span), so each block comes from memory once (its rows prefetched a pass ahead of
+// contiguous span), so each block comes from memory once (its rows prefetched a tile ahead of
 // their use: see attend_piece) and then serves every query head of the request from L1.
 //
 //   q        [T, Hq, D]        strided is fine (the rows of the qkv projection, as they come)
@@ -102,10 +102,10 @@ inline void row_offsets(const int32_t* __restrict table, int64_t p0, int n, int6
   }
 }
 
-// Prefetches of a list of cache rows, issued a few lines at a time (`step`, once per row and
-// head the caller reads) so that they spread over the work done until they are read: a burst
-// of them would fill the core's miss buffers and stall it, and the memory would idle while it
-// computes.
+// Prefetches of a list of cache rows into L2, issued a few lines at a time (`step`, once per
+// row and head the caller reads) so that they spread over the work done until they are read: a
+// burst of them would fill the core's miss buffers and stall it, and the memory would idle
+// while it computes.
 struct Ahead {
   const char* base = nullptr;
   const int64_t* off = nullptr;  // the rows, in elements of `size` bytes from base
@@ -124,7 +124,7 @@ struct Ahead {
 
   inline void step() {
     for (int i = 0; i < per && row < rows; ++i) {
-      __builtin_prefetch(base + off[row] * size + at);
+      __builtin_prefetch(base + off[row] * size + at, 0, 2);  // prefetcht1: to L2
       if ((at += 64) >= row_bytes) at = 0, ++row;
     }
   }
@@ -375,13 +375,16 @@ struct Span {
 //
 // Blocks sit anywhere in the pool, so neither the hardware prefetcher (which stops at 4 KiB
 // pages and needs a few misses to start) nor out-of-order execution has the next rows in
-// time. So while a tile's keys are scored its value rows are prefetched, and while its values
-// are summed the next tile's key rows (the next piece's first, after the last): each row asked
-// for one pass ahead, a few lines per row read (`Ahead`). Measured on this 2-core EPYC, one
-// thread, 30 layers of SmolLM2's batch-64 step (bench/decode_attention.py): against the whole
-// next block prefetched in bursts, 1.3x faster on shuffled blocks and 1.7x on contiguous ones;
-// tiles of 32-128 positions (fewer folds, a longer prefetch distance) and prefetching two or
-// more tiles ahead, to L1 or L2, all measured slower.
+// time. So while a tile's keys are scored the next tile's key rows are prefetched (the next
+// piece's first, after the last), and while its values are summed the next tile's value rows:
+// each row asked for one tile ahead of its use, into L2, a few lines per row read (`Ahead`).
+// Measured with bench/decode_attention.py (30 layers of SmolLM2's batch-64 step, both threads,
+// huge pages as the scheduler runs): on a 2-core Zen 4 EPYC, against the rows asked for half a
+// tile ahead into L1 (this kernel's earlier choice, tuned on a Zen 5 EPYC), float32 29.9
+// against 39.3 ms contiguous and 30.7 against 41.1 shuffled, bfloat16 19.5 against 22.9 and
+// 22.2 against 28.6; the next block prefetched in one burst, two tiles ahead, and the next
+// tile's values prefetched to L1 as well all measured slower or no faster; tiles of 32-128
+// positions measured slower on the Zen 5.
 template <typename T, int D, int G>
 void attend_piece(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
                   const int32_t* table, int64_t t0, int64_t t1, int64_t page, int64_t Hkv,
@@ -398,18 +401,18 @@ void attend_piece(const T* q, int64_t q_head_stride, const T* kc, const T* vc,
     const int64_t n0 = last ? next.t0 : j + kTile, n1 = last ? next.t1 : t1;
     const int nc = nt ? static_cast<int>(std::min<int64_t>(kTile, n1 - n0)) : 0;
     row_offsets(nt, n0, nc, page, row, coming);
-    Ahead values_ahead(vc, off, n, sizeof(T), row_bytes, n * Hkv);
+    Ahead keys_ahead(kc, coming, nc, sizeof(T), row_bytes, n * Hkv);
     for (int64_t h = 0; h < Hkv; ++h) {
       Heads<T, D, G> heads;  // reloaded per tile: from L1, and it leaves the registers free
       heads.load(q + h * G * q_head_stride, q_head_stride);
-      heads.scores(kc + h * D, off, n, scale, s + h * G * kTile, kTile, values_ahead);
+      heads.scores(kc + h * D, off, n, scale, s + h * G * kTile, kTile, keys_ahead);
     }
     for (int64_t hq = 0; hq < Hq; ++hq)
       shrink[hq] = fold_scores(s + hq * kTile, n, r.m[hq], r.l[hq]);
-    Ahead keys_ahead(kc, coming, nc, sizeof(T), row_bytes, n * Hkv);
+    Ahead values_ahead(vc, coming, nc, sizeof(T), row_bytes, n * Hkv);
     for (int64_t h = 0; h < Hkv; ++h)
       Values<T, D, G>::add(vc + h * D, off, n, s + h * G * kTile, kTile, shrink + h * G,
-                           r.acc + h * G * D, keys_ahead);
+                           r.acc + h * G * D, values_ahead);
   }
 }
 
