@@ -3,7 +3,10 @@
 One run times, on SmolLM2-135M's projection shapes (fused qkv, o, fused gate/up, down, and the
 tied lm_head) at batch 1, 7 and 64, every way we can multiply by a weight:
 
-- float32 / bfloat16 through oneDNN from a packed copy (what `--quantization none` runs);
+- float32 / bfloat16 through oneDNN from a packed copy (what `--quantization none` runs in
+  bfloat16, and in float32 where our tiles do not run);
+- ours, float32: the weights in our kernels' tiles through quant_cpu.cpp's float_linear
+  (quant.Float32Tiles: what `--quantization none` runs in float32 on AVX-512 CPUs);
 - ours: int8 and int4 group-32 weights through services/scheduler/quant_cpu.cpp, float32 in
   and out (what `--quantization int8|int4` runs);
 - torch's: `torch._weight_int8pack_mm` (int8 per output row) and
@@ -83,6 +86,7 @@ def _candidates(weight: torch.Tensor) -> dict[str, tuple[Callable, torch.dtype]]
     torch4 = quant.TorchInt4Linear.from_plain(int4)
     kernels = {
         "f32_onednn": (lambda x: onednn_linear(x, f32, None), torch.float32),
+        "f32_tiles": (quant.Float32Tiles(weight, None).matmul, torch.float32),
         "int8_ours": (ours8.matmul, torch.float32),
         "int4_ours": (ours4.matmul, torch.float32),
         "int8_torch": (torch8.matmul, torch.bfloat16),
@@ -125,13 +129,15 @@ def from_memory(batches: list[int], rounds: int = 4) -> dict:
     torch.manual_seed(0)
     layers = [(n, k) for _ in range(30) for _, n, k, count in SHAPES if count > 1]
     layers.append(next((n, k) for name, n, k, _ in SHAPES if name == "lm_head"))
-    f32, int8, int4 = [], [], []
+    f32, tiles, int8, int4 = [], [], [], []
     for i, (n, k) in enumerate(layers):
         weight = torch.randn(n, k) * 0.02
         f32.append(onednn_pack(weight))
+        tiles.append(quant.Float32Tiles(weight, None))
         int8.append(quant.Int8Plain.quantize(weight).pack())
         int4.append(int8[-1] if i == len(layers) - 1 else quant.Int4Plain.quantize(weight).pack())
     weights = {"f32_onednn": (f32, 4 * sum(n * k for n, k in layers)),
+               "f32_tiles": (tiles, sum(t.nbytes for t in tiles)),
                "int8_ours": (int8, sum(q.nbytes for q in int8)),
                "int4_ours": (int4, sum(q.nbytes for q in int4))}
     for rev in AGAINST:
@@ -153,7 +159,8 @@ def from_memory(batches: list[int], rounds: int = 4) -> dict:
     out: dict = {}
     for batch in batches:
         xs = {k: torch.randn(batch, k) for k in set(ks)}
-        steps = {"f32_onednn": partial(f32_step, xs), "int8_ours": partial(quant_step, xs, int8),
+        steps = {"f32_onednn": partial(f32_step, xs), "f32_tiles": partial(quant_step, xs, tiles),
+                 "int8_ours": partial(quant_step, xs, int8),
                  "int4_ours": partial(quant_step, xs, int4)}
         for rev, module in AGAINST.items():
             steps[f"int8_{rev}"] = partial(rev_step, xs, [_at(module, q) for q in int8])

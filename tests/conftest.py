@@ -62,6 +62,8 @@ def _count_fast_paths() -> None:
     layers.act_and_mul = count(fused("act-and-mul"), layers.act_and_mul)
     quant.Int8Linear.matmul = count(lambda *_: "C++ int8 linears", quant.Int8Linear.matmul)
     quant.Int4Linear.matmul = count(lambda *_: "C++ int4 linears", quant.Int4Linear.matmul)
+    quant.Float32Tiles.matmul = count(lambda *_: "C++ float32 tile linears",
+                                      quant.Float32Tiles.matmul)
     quant.TorchInt8Linear.matmul = count(lambda *_: "torch int8 linears (the fallback)",
                                          quant.TorchInt8Linear.matmul)
     quant.TorchInt4Linear.matmul = count(lambda *_: "torch int4 linears (the fallback)",

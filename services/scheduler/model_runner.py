@@ -164,6 +164,11 @@ class ModelRunner:
             self.linear_backend = f"{self.quantization.kernel}_{quantization}"
             if self.device.type == "cpu":
                 self.linear_dtype = quant.kernel_dtype()
+        elif self.device.type == "cpu" and self.dtype == self.linear_dtype == torch.float32 and (
+            self._float32_tiles()
+        ):
+            self.model.pack_for_cpu(torch.float32, tiles=True)
+            self.linear_backend = "native_float32"
         elif self.device.type == "cpu" and _onednn_enabled() and (
             self.dtype in (torch.float32, torch.bfloat16)
         ):
@@ -183,6 +188,14 @@ class ModelRunner:
         log.info(f"Weights: {(self.weight_bytes + self.packed_bytes) / (1 << 20):.0f} MiB, "
                  f"quantization {quantization}",
                  **(self.quantization.as_dict() if self.quantization else {}))
+
+    def _float32_tiles(self) -> bool:
+        """Whether the float32 projections run from our C++ tiles (quant.Float32Tiles) rather
+        than oneDNN; where they cannot, the start-up log says why."""
+        missing = quant.float32_tiles_missing(self.model.linear_widths())
+        if missing:
+            log.info(f"float32 projections through oneDNN, not our C++ tiles: {missing}")
+        return missing is None
 
     def _allocate_kv(self) -> None:
         """One K and one V tensor per layer, `num_blocks` pages of `page_size` slots each."""

@@ -52,7 +52,8 @@ from services.scheduler.native import Extension
 
 log = get_logger("quant")
 
-KERNELS = Extension(Path(__file__).with_name("quant_cpu.cpp"), "the CPU int8/int4 matmul kernels")
+KERNELS = Extension(Path(__file__).with_name("quant_cpu.cpp"),
+                    "the CPU matmul kernels (int8, int4, float32 tiles)")
 
 # torch's CPU int8 and int4 kernels (the fallback) are vectorized for bfloat16 activations only
 TORCH_KERNEL_DTYPE = torch.bfloat16
@@ -243,6 +244,59 @@ class Int4Linear:
     @property
     def nbytes(self) -> int:
         return self.tiles.nbytes + self.scale_min.nbytes
+
+
+class Float32Tiles:
+    """x @ w.T (+ bias) for a float32 weight in the same tiles ([T, K, 16]), through our C++
+    kernel: the float32 projections on AVX-512 CPUs (`float32_tiles_missing`).
+
+    Why not oneDNN, which ran them before: at a decode step's 1-64 rows its packed float32
+    kernel is far from either bound, while these tiles run the int8 kernel's register blocks
+    (three tiles by 8 rows, each broadcast activation feeding three FMAs) straight from the
+    weights, the next group of tiles prefetched while one runs. SmolLM2's 30 layers of
+    projections on a 2-core Zen 4 EPYC (/work bench: bench.quant_kernels --float32): 1 row 16
+    against 30 ms, 16 rows 21.6 against 30.5, 44 rows 52.9 against 64.3, 64 rows 70.3 against
+    77.8; even from 128 rows (2,048: 2.06 against 2.19 s). Same bytes as oneDNN's copy; the
+    sums are float32 in another order (results agree to ~1e-6 relative)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.tiles = _tiles(weight.detach().float())  # [T, K, 16]
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] (float32; another dtype goes through float32) -> [..., N] in x's dtype."""
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.dtype != torch.float32:
+            x2 = x2.float()
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        out = KERNELS.module().float_linear(x2, self.tiles, self.bias, self.out_features)
+        if x.dim() != 2:
+            out = out.view(*x.shape[:-1], self.out_features)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes + (0 if self.bias is None else self.bias.nbytes)
+
+
+def float32_tiles_missing(in_features: list[int]) -> str | None:
+    """Why float32 projections of these input widths would not run from Float32Tiles here
+    (None: they do). They need the C++ kernels built with AVX-512 (an AVX2 build's tiles were
+    never measured against oneDNN there) and widths that are multiples of 4;
+    TOKENLINE_FLOAT32_TILES=0 keeps oneDNN."""
+    if os.environ.get("TOKENLINE_FLOAT32_TILES", "1") == "0":
+        return "TOKENLINE_FLOAT32_TILES=0"
+    module = KERNELS.module()
+    if module is None:
+        return "no C++ matmul kernels"
+    if not module.vectorized():
+        return "the C++ matmul kernels were built without AVX-512"
+    odd = sorted({k for k in in_features if k % 4})
+    if odd:
+        return f"input widths {odd} are not multiples of 4"
+    return None
 
 
 # -- torch's own CPU kernels: the fallback where ours cannot be built ---------------------------

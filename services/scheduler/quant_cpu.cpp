@@ -1,4 +1,5 @@
-// Weight-only int8 and int4 matmuls on CPU: float32 activations in and out, float32 sums.
+// Weight-only int8 and int4 matmuls on CPU, and float32 ones from the same tiles: float32
+// activations in and out, float32 sums.
 //
 //   out[m, n] = sum_k x[m, k] * w[n, k]
 //
@@ -8,14 +9,18 @@
 // memory (batch 1 reads 1 or 0.5 bytes a weight, plus scales); below 4 rows the scale and
 // minimum are applied once per group of 32 rather than per weight (quant_tile). From 16 rows
 // each group of three tiles is dequantized once per call into float32 buffers and every row
-// runs from there, each broadcast activation feeding the three (run_dequantized).
+// runs from there, each broadcast activation feeding the three (run_groups).
 //
 //   int8  q   [T, Kp, 16] uint8        code of channel 16t + c at k: q[t, k, c]
 //   int4  q   [T, Kp/2, 16] uint8      byte (t, j, c) holds k = 2j (low nibble), 2j + 1 (high)
 //   both  sm  [T, G, 2, 16] half|float w = sm[t, k / 32, 0, c] * code + sm[t, k / 32, 1, c]
 //         (a scale and a minimum per 32 values: GGUF Q8_0 is scale d, minimum -128 d with
 //         codes q + 128; Q4_0, Q4_1 and Q4_K's sub-blocks map as quant.py says)
+//   float w   [T, K, 16] float        weight of channel 16t + c at k: w[t, k, c]
 //   x [M, Kp] float32 (Kp = 32 G: the caller pads K), out [M, N] float32, T = ceil(N / 16).
+//
+// float32 tiles need no dequantizing: every call, from one row, runs run_groups straight from
+// the weights (float_linear), the register blocks the int8 path runs from its buffers.
 //
 // The dequantized weight is what the reference computes: code * scale + min is one FMA, and
 // with a half scale the product is exact in float32 (8 + 11 bits), so the reference's single
@@ -35,6 +40,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -45,7 +51,7 @@ namespace {
 
 constexpr int64_t LANES = 16;   // output channels per tile
 constexpr int64_t GROUP = 32;   // k values per scale
-// from this many rows tiles are dequantized into float32 once per call (run_dequantized). An
+// from this many rows tiles are dequantized into float32 once per call (run_groups). An
 // AVX2 build (no AVX-512) always does: its quant_tile is the plain loops, which the compiler
 // leaves 5-15x slower than oneDNN's float32 from 2 rows (batch 64: 3.8 s against 0.27 s a
 // SmolLM2 step's matmuls, an AVX2 EPYC), while dequantizing into L1 and running the FMAs in
@@ -508,18 +514,53 @@ void pack_rows(const float* x, int64_t rows, int64_t Kp, float* packed, float* x
   }
 }
 
-// From DEQUANT_ROWS rows: the tiles in groups of FLOAT_TILES, each dequantized once per call
-// into the thread's buffers, every row of x then run from them as the caller holds x (no
-// packing: an 8-row block's broadcasts come from 8 row streams). One parallel region per call;
-// threads claim groups one at a time from a counter, so a thread that another process delays
-// (the machine's cores are shared with the other services) holds up one group, not half the
-// call. The next group's weights are prefetched while one runs (Ahead). Before, rows went in
-// chunks of 64, each packed and then run by all tiles: a 2,048-row prefill dequantized every
-// tile 32 times and woke the threads 64 times per call.
+// Where a group of tiles' float32 weights come from, for run_groups. Codes (int8, int4):
+// dequantized once per call into the thread's buffer, the next group's codes streamed in while
+// one runs and its scales asked for at once.
 template <typename C, typename S>
-void run_dequantized(const float* x, const uint8_t* q, const S* sm, int64_t M, int64_t Kp,
-                     int64_t N, int64_t T, int64_t q_per_tile, float* out) {
-  const int64_t G = Kp / GROUP, s_per_tile = G * 2 * LANES;
+struct CodeTiles {
+  const uint8_t* q;
+  const S* sm;
+  int64_t Kp, q_per_tile;
+
+  int64_t scales_per_tile() const { return Kp / GROUP * 2 * LANES; }
+  const float* weights(int64_t t, int64_t nt, float* buf) const {
+    for (int64_t i = 0; i < nt; ++i)
+      dequant<C, S>(q + (t + i) * q_per_tile, sm + (t + i) * scales_per_tile(), Kp / GROUP,
+                    buf + i * Kp * LANES);
+    return buf;
+  }
+  const char* bytes(int64_t t) const { return reinterpret_cast<const char*>(q + t * q_per_tile); }
+  int64_t bytes_per_tile() const { return q_per_tile; }
+  void prefetch_now(int64_t t, int64_t nt) const {
+    const char* s = reinterpret_cast<const char*>(sm + t * scales_per_tile());
+    for (int64_t b = 0; b < nt * scales_per_tile() * int64_t(sizeof(S)); b += 64)
+      __builtin_prefetch(s + b, 0, 2);
+  }
+};
+
+// float32 weights already in tiles ([T, Kp, 16]): run where they lie, nothing to convert.
+struct FloatTiles {
+  const float* w;
+  int64_t Kp;
+
+  const float* weights(int64_t t, int64_t, float*) const { return w + t * Kp * LANES; }
+  const char* bytes(int64_t t) const { return reinterpret_cast<const char*>(w + t * Kp * LANES); }
+  int64_t bytes_per_tile() const { return Kp * LANES * int64_t(sizeof(float)); }
+  void prefetch_now(int64_t, int64_t) const {}
+};
+
+// The tiles in groups of FLOAT_TILES, each group's weights made float32 once per call (or read
+// as they are) and every row of x (row r at x + r * ldx) then run against them, as the caller
+// holds x (no packing: an 8-row block's broadcasts come from 8 row streams). One parallel
+// region per call; threads claim groups one at a time from a counter, so a thread that another
+// process delays (the machine's cores are shared with the other services) holds up one group,
+// not half the call. The next group's weights are prefetched while one runs (Ahead). Before,
+// rows went in chunks of 64, each packed and then run by all tiles: a 2,048-row prefill
+// dequantized every tile 32 times and woke the threads 64 times per call.
+template <typename Src>
+void run_groups(const Src& src, const float* x, int64_t ldx, int64_t M, int64_t Kp, int64_t N,
+                int64_t T, float* out) {
   const int64_t groups = (T + FLOAT_TILES - 1) / FLOAT_TILES;
   const int64_t blocks = (M + 7) / 8;
   std::atomic<int64_t> next{0};
@@ -529,27 +570,23 @@ void run_dequantized(const float* x, const uint8_t* q, const S* sm, int64_t M, i
       wbuf.resize(FLOAT_TILES * Kp * LANES);
     int64_t g = next.fetch_add(1, std::memory_order_relaxed);
     while (g < groups) {
-      // the next group is claimed now, so that its codes and scales (from DRAM when the
-      // layer's weights are not in cache) arrive while this one runs
+      // the next group is claimed now, so that its weights (from DRAM when the layer is not in
+      // cache) arrive while this one runs
       const int64_t g_next = next.fetch_add(1, std::memory_order_relaxed);
       const int64_t t = g * FLOAT_TILES, nt = std::min(FLOAT_TILES, T - t);
       const int valid = static_cast<int>(std::min(LANES, N - (t + nt - 1) * LANES));
-      for (int64_t i = 0; i < nt; ++i)
-        dequant<C, S>(q + (t + i) * q_per_tile, sm + (t + i) * s_per_tile, G,
-                      wbuf.data() + i * Kp * LANES);
-      // its codes spread evenly over this group's blocks and their k loops (asked for all at
-      // once they overflow the misses a core can have in flight: measured slower at 16 rows);
-      // its scales, an eighth of that at most, now
+      const float* w = src.weights(t, nt, wbuf.data());
+      // its weight bytes spread evenly over this group's blocks and their k loops (asked for
+      // all at once they overflow the misses a core can have in flight: measured slower at 16
+      // rows); what a source wants at once (int8's scales, an eighth of that at most), now
       Ahead ahead{nullptr, nullptr, 0};
       int64_t slice = 0;
       if (g_next < groups) {
         const int64_t t_next = g_next * FLOAT_TILES, nt_next = std::min(FLOAT_TILES, T - t_next);
-        const char* s_next = reinterpret_cast<const char*>(sm + t_next * s_per_tile);
-        for (int64_t b = 0; b < nt_next * s_per_tile * int64_t(sizeof(S)); b += 64)
-          __builtin_prefetch(s_next + b, 0, 2);
-        ahead.p = reinterpret_cast<const char*>(q + t_next * q_per_tile);
-        ahead.end = ahead.p + nt_next * q_per_tile;
-        slice = ((nt_next * q_per_tile + 63) / 64 + blocks - 1) / blocks * 64;
+        src.prefetch_now(t_next, nt_next);
+        ahead.p = src.bytes(t_next);
+        ahead.end = ahead.p + nt_next * src.bytes_per_tile();
+        slice = ((nt_next * src.bytes_per_tile() + 63) / 64 + blocks - 1) / blocks * 64;
         ahead.per_step = (slice / 64 + Kp / 4 - 1) / (Kp / 4);
       }
       for (int64_t b = 0; b < blocks; ++b) {
@@ -564,7 +601,7 @@ void run_dequantized(const float* x, const uint8_t* q, const S* sm, int64_t M, i
         const int64_t r0 = b * 8;
         for (int64_t r = r0 + 8; r < std::min(M, r0 + 16); ++r)
           for (int64_t i = 0; i < nt; ++i) __builtin_prefetch(out + r * N + (t + i) * LANES, 1, 3);
-        float_block(nt, block_rows(M - r0), x + r0 * Kp, Kp, wbuf.data(), Kp,
+        float_block(nt, block_rows(M - r0), x + r0 * ldx, ldx, w, Kp,
                     out + r0 * N + t * LANES, N, valid, part);
       }
       g = g_next;
@@ -572,7 +609,7 @@ void run_dequantized(const float* x, const uint8_t* q, const S* sm, int64_t M, i
   });
 }
 
-// Below DEQUANT_ROWS (from there run_dequantized): the rows packed once (pack_rows), then the
+// Below DEQUANT_ROWS (from there run_groups): the rows packed once (pack_rows), then the
 // tiles split across threads (or all on the calling thread: one_thread_bytes), each tile
 // against every row, whose activations stay in cache. Scratch buffers are kept per thread
 // across calls (no allocation, no page faults per call).
@@ -587,7 +624,7 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& q, const torch::T
   const S* sp = reinterpret_cast<const S*>(scales.data_ptr());
   float* op = out.data_ptr<float>();
   if (M >= DEQUANT_ROWS) {
-    run_dequantized<C, S>(xp, qp, sp, M, Kp, N, T, q_per_tile, op);
+    run_groups(CodeTiles<C, S>{qp, sp, Kp, q_per_tile}, xp, Kp, M, Kp, N, T, op);
     return out;
   }
   thread_local std::vector<float> packed, xsum;
@@ -654,6 +691,31 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& q,
   return linear<Int4Codes>(x, q, scale_min, N, 2);
 }
 
+// float32 weights in the same tiles, w [T, K, 16] (K a multiple of 4; x [M, K] with unit
+// stride along K, rows at any stride): every call, from one row, runs the groups of three tiles
+// straight from the weights, the next group prefetched while one runs. Float32 sums in k order
+// per chain, so a result differs from F.linear's by summation order only.
+torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& w,
+                           const std::optional<torch::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1,
+              "x must be float32 [M, K] with unit stride along K");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == torch::kFloat && w.is_contiguous() &&
+                  w.size(2) == LANES && w.size(1) == x.size(1) && x.size(1) % 4 == 0,
+              "weight tiles must be contiguous float32 [T, K, 16] with x's K, a multiple of 4");
+  TORCH_CHECK(w.size(0) * LANES >= N && (w.size(0) - 1) * LANES < N, "N does not match tiles");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto out = torch::empty({M, N}, x.options());
+  if (M > 0)
+    run_groups(FloatTiles{w.data_ptr<float>(), K}, x.data_ptr<float>(), x.stride(0), M, K, N,
+               w.size(0), out.data_ptr<float>());
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == N && bias->scalar_type() == torch::kFloat,
+                "bias must be float32 [N]");
+    out.add_(*bias);
+  }
+  return out;
+}
+
 // The limit under which 1-3 row calls run on the calling thread; returns the previous one.
 int64_t set_one_thread_bytes(int64_t bytes) {
   TORCH_CHECK(bytes >= 0, "one_thread_bytes must be >= 0");
@@ -677,6 +739,8 @@ bool vectorized() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x @ w.T for int8 group-32 weight tiles (float32, CPU)");
   m.def("int4_linear", &int4_linear, "x @ w.T for int4 group-32 scale+min weight tiles");
+  m.def("float_linear", &float_linear, "x @ w.T (+ bias) for float32 weight tiles",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("n"));
   m.def("set_one_thread_bytes", &set_one_thread_bytes,
         "weight bytes x rows under which 1-3 row calls stay on the calling thread (0: never)");
   m.def("one_thread_bytes_default", &one_thread_bytes_default,

@@ -221,18 +221,35 @@ def test_without_onednn_bfloat16_runs_torch_and_the_log_says_it_is_slow(tiny_mod
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                     reason="this torch build has no oneDNN (torch.backends.mkldnn)")
-def test_cpu_projections_keep_only_their_onednn_copies(tiny_model_dir, monkeypatch):
-    """Packing must not double the memory the projections hold: their plain weights go."""
+@pytest.mark.parametrize("tiles", ["1", "0"])
+def test_cpu_projections_keep_only_their_packed_copies(tiny_model_dir, monkeypatch, tiles):
+    """Packing must not double the memory the projections hold: their plain weights go, for
+    our float32 tiles (where this CPU runs them) as for oneDNN's copies."""
+    from services.scheduler import quant
     from services.scheduler.models.layers import Linear
 
     monkeypatch.delenv("TOKENLINE_ONEDNN", raising=False)
+    monkeypatch.setenv("TOKENLINE_FLOAT32_TILES", tiles)
     runner = ModelRunner(tiny_model_dir, max_total_tokens=512, device="cpu", dtype="float32")
-    assert runner.linear_backend == "onednn"
+    use_tiles = quant.float32_tiles_missing(runner.model.linear_widths()) is None
+    assert use_tiles == (tiles == "1" and quant.KERNELS.module().vectorized())
+    assert runner.linear_backend == ("native_float32" if use_tiles else "onednn")
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight is None and m.packed is not None for m in linears)
+    assert linears and all(m.weight is None for m in linears)
+    if use_tiles:
+        assert all(m.tiled is not None and m.packed is None for m in linears)
+        assert runner.model.lm_tiled is not None and runner.model.lm_packed is None
+    else:
+        assert all(m.packed is not None and m.tiled is None for m in linears)
+        assert runner.model.lm_packed is not None and runner.model.lm_tiled is None
     embed = runner.model.embed_tokens.weight
     norms = sum(p.numel() for n, p in runner.model.named_parameters() if "norm" in n)
     assert runner.weight_bytes == (embed.numel() + norms) * 4
+    # the copies: every projection's weight, and the tied lm_head's, padded to whole tiles
+    # of 16 output channels at most
+    plain = sum(m.in_features * m.out_features for m in linears) + embed.numel()
+    padding = sum(m.in_features * 15 for m in linears) + embed.shape[1] * 15
+    assert plain * 4 <= runner.packed_bytes <= (plain + padding) * 4 + (1 << 16)
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))

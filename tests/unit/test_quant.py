@@ -274,6 +274,83 @@ def test_gguf_weights_read_q8_0_layers_for_int8(tmp_path):
     assert weights.plain("layers.0.self_attn.q_proj", "int4") is None  # Q8_0 is not int4
 
 
+def _check_float(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> None:
+    """A float32 tile matmul against x @ w.T (+ bias) in float64, within float32 summation
+    error: each output is K products summed in float32 over at most 4 chains, then the chains
+    and the bias added, so |kernel - exact| <= (K + 6) u sum_k |x_k w_k| (+ u |bias|). A wrong
+    lane, row, tile or k moves a result by a whole product, far more."""
+    exact = x.double() @ w.double().T
+    mag = x.double().abs() @ w.double().abs().T
+    if bias is not None:
+        exact = exact + bias.double()
+        mag = mag + bias.double().abs()
+    assert out.dtype == torch.float32 and out.shape == exact.shape
+    excess = (out.double() - exact).abs() - (w.shape[1] + 6) * U * mag
+    assert excess.max().item() <= 0, f"max abs diff {(out.double() - exact).abs().max():.3g}"
+
+
+# out x in with in a multiple of 4: aligned, a last tile of 1-15 channels, 1-2 tiles only
+FLOAT_SHAPES = [(576, 576), (48, 96), (33, 100), (7, 40), (100, 64), (17, 1536)]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 16, 64, 70, 129])
+@pytest.mark.parametrize("shape", FLOAT_SHAPES)
+def test_float32_tiles_match_float64(shape, batch):
+    """float32 weights in tiles (the projections on AVX-512 CPUs): every row count takes the
+    groups of three tiles in blocks of 8 rows, ending on a block of 1-7."""
+    n, k = shape
+    torch.manual_seed(n * 1000 + k + batch)
+    w = torch.randn(n, k) * 0.05
+    x = torch.randn(batch, k)
+    lin = quant.Float32Tiles(w, None)
+    assert lin.tiles.shape == (-(-n // 16), k, 16) and lin.nbytes == lin.tiles.nbytes
+    _check_float(lin.matmul(x), x, w)
+
+
+def test_float32_tiles_take_a_bias_strided_rows_and_other_dtypes():
+    torch.manual_seed(3)
+    w, b = torch.randn(40, 64) * 0.05, torch.randn(40)
+    lin = quant.Float32Tiles(w, b)
+    wide = torch.randn(19, 100)
+    x = wide[:, 8:72]  # rows 100 floats apart: run as they lie
+    assert x.stride() == (100, 1)
+    _check_float(lin.matmul(x), x, w, b)
+    x3 = torch.randn(2, 5, 64)
+    out = lin.matmul(x3)
+    assert out.shape == (2, 5, 40)
+    _check_float(out.view(10, 40), x3.view(10, 64), w, b)
+    xb = torch.randn(9, 64).bfloat16()
+    out = lin.matmul(xb)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, (xb.float() @ w.T + b).bfloat16(), rtol=0, atol=0.02)
+    assert lin.matmul(torch.randn(0, 64)).shape == (0, 40)
+
+
+def test_float32_tiles_refuse_what_they_cannot_run(monkeypatch):
+    module = quant.KERNELS.module()
+    tiles = quant.Float32Tiles(torch.randn(16, 64), None).tiles
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        module.float_linear(torch.randn(2, 62), quant._tiles(torch.randn(16, 62)), None, 16)
+    with pytest.raises(RuntimeError, match="x's K"):
+        module.float_linear(torch.randn(2, 32), tiles, None, 16)
+    with pytest.raises(RuntimeError, match="float32"):
+        module.float_linear(torch.randn(2, 64).double(), tiles, None, 16)
+    with pytest.raises(RuntimeError, match="N does not match"):
+        module.float_linear(torch.randn(2, 64), tiles, None, 17)
+    with pytest.raises(RuntimeError, match="bias"):
+        module.float_linear(torch.randn(2, 64), tiles, torch.randn(15), 16)
+    monkeypatch.delenv("TOKENLINE_FLOAT32_TILES", raising=False)
+    missing = quant.float32_tiles_missing([576, 1536])
+    if module.vectorized():
+        assert missing is None
+        assert quant.float32_tiles_missing([576, 30]) == "input widths [30] are not multiples of 4"
+    else:
+        assert "built without AVX-512" in missing
+    monkeypatch.setenv("TOKENLINE_FLOAT32_TILES", "0")
+    assert quant.float32_tiles_missing([576]) == "TOKENLINE_FLOAT32_TILES=0"
+
+
 def test_portable_kernels_match_reference():
     """The plain C++ path that machines without AVX512 build (CI may be AVX2 only), built here
     with AVX512 switched off: the same layout, the same numbers within float32 summation."""
@@ -286,7 +363,7 @@ def test_portable_kernels_match_reference():
     if platform.machine().lower() not in ("x86_64", "amd64"):
         # -mno-avx512f exists on x86 only; elsewhere the suite's own build is the portable one
         pytest.skip(f"{platform.machine()}: no AVX512 to switch off")
-    module = portable_build(quant.KERNELS.source, "the portable int8/int4 matmul kernels").module
+    module = portable_build(quant.KERNELS.source, "the portable matmul kernels").module
     assert module is not None
     assert not module.vectorized()
     torch.manual_seed(6)
@@ -300,3 +377,5 @@ def test_portable_kernels_match_reference():
             packed = plain.pack()
             out = quant._native_matmul(fn, x, packed.tiles, packed.scale_min, n, k)
             _check(out, x, plain)
+        if k % 4 == 0:  # the float32 tiles: AVX2 intrinsics here
+            _check_float(module.float_linear(x, quant._tiles(w), None, n), x, w)

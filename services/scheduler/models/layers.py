@@ -3,7 +3,8 @@
 RMSNorm, rotary embeddings (default, linear and llama3 scaling), grouped-query attention
 through an attention backend (optionally inside a sliding window), a gated MLP (SwiGLU or
 GeGLU). QKV and gate/up projections are fused into one matmul each. On CPU the projections and
-the lm_head run through oneDNN from packed copies of their weights.
+the lm_head run from packed copies of their weights: float32 ones from our C++ tiles on AVX-512
+CPUs (quant.Float32Tiles), the rest through oneDNN.
 
 A family (llama.py, qwen2.py, ...) is an `Arch`: the handful of choices it makes differently,
 read from its config, plus, where a layer is shaped differently (Gemma 3), a layer class.
@@ -21,7 +22,7 @@ from torch import nn
 
 from services.scheduler.attention.base import AttentionBackend, AttentionMetadata
 from services.scheduler.native import Extension
-from services.scheduler.quant import Int8Linear, QuantizedWeight
+from services.scheduler.quant import Float32Tiles, Int8Linear, QuantizedWeight
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -118,24 +119,31 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """nn.Linear that, once `pack()`ed, runs from a oneDNN copy of its weight (CPU), or once
-    given `quantized` weights (services/scheduler/quant.py), from those."""
+    """nn.Linear that, once `pack()`ed, runs from a oneDNN copy of its weight or from float32
+    tiles (CPU), or once given `quantized` weights (services/scheduler/quant.py), from those."""
 
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
+    tiled: Float32Tiles | None = None
     quantized: QuantizedWeight | None = None
 
-    def pack(self, dtype: torch.dtype | None = None) -> None:
-        """Run from a oneDNN copy from now on; the plain weight is freed (it would double the
-        memory the projections hold)."""
-        self.packed = onednn_pack(self.weight, dtype)
-        self.packed_bias = None if self.bias is None else self.bias.detach().to(self.packed.dtype)
+    def pack(self, dtype: torch.dtype | None = None, tiles: bool = False) -> None:
+        """Run from a oneDNN copy (or, with `tiles`, float32 tiles) from now on; the plain
+        weight is freed (it would double the memory the projections hold)."""
+        if tiles:
+            self.tiled = Float32Tiles(self.weight, self.bias)
+        else:
+            self.packed = onednn_pack(self.weight, dtype)
+            self.packed_bias = None if self.bias is None else self.bias.detach().to(
+                self.packed.dtype)
         self.weight = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             out = self.quantized.matmul(x)
             return out if self.bias is None else out + self.bias
+        if self.tiled is not None:
+            return self.tiled.matmul(x)
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return onednn_linear(x, self.packed, self.packed_bias)
@@ -406,6 +414,7 @@ class CausalLM(nn.Module):
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(hidden, config["vocab_size"], bias=False)
         self.lm_packed: torch.Tensor | None = None
+        self.lm_tiled: Float32Tiles | None = None
         self.lm_quantized: QuantizedWeight | None = None
         self.embed_quantized: Int8Linear | None = None  # the lm_head's own when tied
         self.windows = windows
@@ -446,32 +455,46 @@ class CausalLM(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         if self.lm_quantized is not None:
             return self.lm_quantized.matmul(x)
+        if self.lm_tiled is not None:
+            return self.lm_tiled.matmul(x)
         if self.lm_packed is not None:
             return onednn_linear(x, self.lm_packed, None)
         return F.linear(x, self.lm_weight)
 
     def packed_bytes(self) -> int:
-        """Memory held by the oneDNN copies and quantized weights (0 until packed)."""
-        packed = [m.packed for m in self.modules()
-                  if isinstance(m, Linear) and m.packed is not None]
+        """Memory held by the oneDNN copies, float32 tiles and quantized weights (0 until
+        packed)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        packed = [m.packed for m in linears if m.packed is not None]
         if self.lm_packed is not None:
             packed.append(self.lm_packed)
-        quantized = {id(q): q for q in [m.quantized for m in self.modules()
-                                        if isinstance(m, Linear)]
+        tiled = [m.tiled for m in linears if m.tiled is not None]
+        if self.lm_tiled is not None:
+            tiled.append(self.lm_tiled)
+        quantized = {id(q): q for q in [m.quantized for m in linears]
                      + [self.lm_quantized, self.embed_quantized] if q is not None}
-        return sum(p.numel() * p.element_size() for p in packed) + sum(
-            q.nbytes for q in quantized.values())
+        return (sum(p.numel() * p.element_size() for p in packed)
+                + sum(t.nbytes for t in tiled) + sum(q.nbytes for q in quantized.values()))
 
-    def pack_for_cpu(self, dtype: torch.dtype | None = None) -> None:
+    def linear_widths(self) -> list[int]:
+        """The input width of every projection and of the lm_head."""
+        return [m.in_features for m in self.modules() if isinstance(m, Linear)] + [
+            self.lm_weight.shape[1]]
+
+    def pack_for_cpu(self, dtype: torch.dtype | None = None, tiles: bool = False) -> None:
         """Run every projection and the lm_head through oneDNN (after the weights are final),
-        from copies in `dtype` (default: the weights' own).
+        from copies in `dtype` (default: the weights' own), or with `tiles` from float32 tiles
+        (quant.Float32Tiles).
 
         The projections' plain weights are freed; a tied lm_head's copy comes on top of the
         embedding, which still serves lookups."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack(dtype)
-        self.lm_packed = onednn_pack(self.lm_weight, dtype)
+                module.pack(dtype, tiles)
+        if tiles:
+            self.lm_tiled = Float32Tiles(self.lm_weight, None)
+        else:
+            self.lm_packed = onednn_pack(self.lm_weight, dtype)
         if self.lm_head is not None:
             self.lm_head.weight = None
 
