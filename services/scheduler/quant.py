@@ -253,11 +253,12 @@ class Float32Tiles:
     Why not oneDNN, which ran them before: at a decode step's 1-64 rows its packed float32
     kernel is far from either bound, while these tiles run the int8 kernel's register blocks
     (three tiles by 8 rows, each broadcast activation feeding three FMAs) straight from the
-    weights, the next group of tiles prefetched while one runs. SmolLM2's 30 layers of
-    projections on a 2-core Zen 4 EPYC (/work bench: bench.quant_kernels --float32): 1 row 16
-    against 30 ms, 16 rows 21.6 against 30.5, 44 rows 52.9 against 64.3, 64 rows 70.3 against
-    77.8; even from 128 rows (2,048: 2.06 against 2.19 s). Same bytes as oneDNN's copy; the
-    sums are float32 in another order (results agree to ~1e-6 relative)."""
+    weights, the next group of tiles prefetched while one runs. A SmolLM2 decode step's
+    matmuls, every layer its own weight (`python -m bench.quant_kernels --from-memory`, a
+    2-core Zen 4 EPYC): 1 row 18.3 against 36.0 ms, 4 rows 21.0 / 32.1, 16 rows 27.7 / 38.3, 44
+    rows 66.3 / 85.5, 64 rows 88.9 / 95.1; a 2,048-token prefill's about even (2.06 against
+    2.19 s, 30 layers' projections). Same bytes as oneDNN's copy; the sums are float32 in
+    another order (results agree to ~1e-6 relative)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
