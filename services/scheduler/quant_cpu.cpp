@@ -519,6 +519,7 @@ void pack_rows(const float* x, int64_t rows, int64_t Kp, float* packed, float* x
 // one runs and its scales asked for at once.
 template <typename C, typename S>
 struct CodeTiles {
+  static constexpr bool kBuffered = true;  // weights() writes into the thread's buffer
   const uint8_t* q;
   const S* sm;
   int64_t Kp, q_per_tile;
@@ -541,6 +542,7 @@ struct CodeTiles {
 
 // float32 weights already in tiles ([T, Kp, 16]): run where they lie, nothing to convert.
 struct FloatTiles {
+  static constexpr bool kBuffered = false;
   const float* w;
   int64_t Kp;
 
@@ -566,7 +568,7 @@ void run_groups(const Src& src, const float* x, int64_t ldx, int64_t M, int64_t 
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     thread_local std::vector<float> wbuf;
-    if (static_cast<int64_t>(wbuf.size()) < FLOAT_TILES * Kp * LANES)
+    if (Src::kBuffered && static_cast<int64_t>(wbuf.size()) < FLOAT_TILES * Kp * LANES)
       wbuf.resize(FLOAT_TILES * Kp * LANES);
     int64_t g = next.fetch_add(1, std::memory_order_relaxed);
     while (g < groups) {
