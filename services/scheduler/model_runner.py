@@ -50,7 +50,8 @@ def _sdpa_route(dtype: torch.dtype) -> SdpaRoute | None:
 
 
 def _onednn_enabled() -> bool:
-    """oneDNN for the float32 projections on CPU; TOKENLINE_ONEDNN=0 falls back to F.linear."""
+    """oneDNN for the CPU projections our float32 tiles do not run (bfloat16, or float32 where
+    quant.float32_tiles_missing says why); TOKENLINE_ONEDNN=0 falls back to F.linear."""
     return torch.backends.mkldnn.is_available() and os.environ.get("TOKENLINE_ONEDNN", "1") != "0"
 
 
@@ -194,7 +195,8 @@ class ModelRunner:
         than oneDNN; where they cannot, the start-up log says why."""
         missing = quant.float32_tiles_missing(self.model.linear_widths())
         if missing:
-            log.info(f"float32 projections through oneDNN, not our C++ tiles: {missing}")
+            log.info(f"float32 projections not from our C++ tiles ({missing}): through "
+                     f"{'oneDNN' if _onednn_enabled() else 'torch (TOKENLINE_ONEDNN=0)'}")
         return missing is None
 
     def _allocate_kv(self) -> None:

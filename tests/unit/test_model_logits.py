@@ -225,13 +225,23 @@ def test_without_onednn_bfloat16_runs_torch_and_the_log_says_it_is_slow(tiny_mod
 def test_cpu_projections_keep_only_their_packed_copies(tiny_model_dir, monkeypatch, tiles):
     """Packing must not double the memory the projections hold: their plain weights go, for
     our float32 tiles (where this CPU runs them) as for oneDNN's copies."""
+    from structlog.testing import capture_logs
+
     from services.scheduler import quant
     from services.scheduler.models.layers import Linear
 
     monkeypatch.delenv("TOKENLINE_ONEDNN", raising=False)
     monkeypatch.setenv("TOKENLINE_FLOAT32_TILES", tiles)
-    runner = ModelRunner(tiny_model_dir, max_total_tokens=512, device="cpu", dtype="float32")
+    with capture_logs() as logs:
+        runner = ModelRunner(tiny_model_dir, max_total_tokens=512, device="cpu",
+                             dtype="float32")
     use_tiles = quant.float32_tiles_missing(runner.model.linear_widths()) is None
+    said = [e["event"] for e in logs if "not from our C++ tiles" in e["event"]]
+    if tiles == "0":  # the start-up log says why, and what runs them instead
+        assert said == ["float32 projections not from our C++ tiles (TOKENLINE_FLOAT32_TILES=0): "
+                        "through oneDNN"]
+    else:
+        assert bool(said) != use_tiles
     assert use_tiles == (tiles == "1" and quant.KERNELS.module().vectorized())
     assert runner.linear_backend == ("native_float32" if use_tiles else "onednn")
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
