@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.logging import get_logger
-from services.scheduler.native import Extension
+from services.scheduler.native import Extension, cpu_flags
 
 log = get_logger("quant")
 
@@ -256,9 +256,10 @@ class Float32Tiles:
     weights, the next group of tiles prefetched while one runs. A SmolLM2 decode step's
     matmuls, every layer its own weight (`python -m bench.quant_kernels --from-memory`, a
     2-core Zen 4 EPYC): 1 row 18.3 against 36.0 ms, 4 rows 21.0 / 32.1, 16 rows 27.7 / 38.3, 44
-    rows 66.3 / 85.5, 64 rows 88.9 / 95.1; a 2,048-token prefill's about even (2.06 against
-    2.19 s, 30 layers' projections). Same bytes as oneDNN's copy; the sums are float32 in
-    another order (results agree to ~1e-6 relative)."""
+    rows 66.3 / 85.5, 64 rows 88.9 / 95.1; at a prefill's 2,048 rows within a few per cent
+    either way (`--batches 2048`: the 30 layers' projections 2,237 against 2,370 ms per shape in
+    cache, the whole step's from DRAM 2,855 against 2,769). Same bytes as oneDNN's copy; the
+    sums are float32 in another order (results agree to ~1e-6 relative)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -286,9 +287,16 @@ def float32_tiles_missing(in_features: list[int]) -> str | None:
     """Why float32 projections of these input widths would not run from Float32Tiles here
     (None: they do). They need the C++ kernels built with AVX-512 (an AVX2 build's tiles were
     never measured against oneDNN there) and widths that are multiples of 4;
-    TOKENLINE_FLOAT32_TILES=0 keeps oneDNN."""
-    if os.environ.get("TOKENLINE_FLOAT32_TILES", "1") == "0":
+    TOKENLINE_FLOAT32_TILES=0 keeps oneDNN (1, the default, asks for the tiles; anything else
+    is an error). A CPU without AVX-512 is told from its flags, without building the kernels."""
+    setting = os.environ.get("TOKENLINE_FLOAT32_TILES", "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"TOKENLINE_FLOAT32_TILES must be 0 or 1, not {setting!r}")
+    if setting == "0":
         return "TOKENLINE_FLOAT32_TILES=0"
+    flags = cpu_flags()
+    if flags and "avx512f" not in flags:
+        return "this CPU has no AVX-512"
     module = KERNELS.module()
     if module is None:
         return "no C++ matmul kernels"

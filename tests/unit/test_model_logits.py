@@ -55,12 +55,15 @@ def test_tiny_llama_logits_match_transformers(tiny_model_dir, chunk):
     assert (ours - ref).abs().max().item() < 1e-4
 
 
-def test_smollm2_logits_match_transformers(smol_path):
-    """As close to the float64 logits as transformers' own float32 is. A fixed bound is not:
+@pytest.mark.parametrize("tiles", ["1", "0"])
+def test_smollm2_logits_match_transformers(smol_path, monkeypatch, tiles):
+    """As close to the float64 logits as transformers' own float32 is, with the projections
+    from our float32 tiles (where this CPU runs them) and from oneDNN. A fixed bound is not:
     on an AVX2 EPYC both are 9e-5 from float64 (logits up to 40), so 1e-4 between them failed
     by rounding alone."""
     from transformers import AutoModelForCausalLM
 
+    monkeypatch.setenv("TOKENLINE_FLOAT32_TILES", tiles)
     runner = ModelRunner(smol_path, max_total_tokens=512, device="cpu", dtype="float32")
     ids = [1, 504, 3458, 282, 4649, 314, 2330, 30, 378, 1535, 2476, 3060, 28, 357, 3032, 30]
     ours = our_logits(runner, ids * 3, chunk=20)

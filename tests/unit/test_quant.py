@@ -341,14 +341,21 @@ def test_float32_tiles_refuse_what_they_cannot_run(monkeypatch):
     with pytest.raises(RuntimeError, match="bias"):
         module.float_linear(torch.randn(2, 64), tiles, torch.randn(15), 16)
     monkeypatch.delenv("TOKENLINE_FLOAT32_TILES", raising=False)
+    from services.scheduler.native import cpu_flags
+
     missing = quant.float32_tiles_missing([576, 1536])
     if module.vectorized():
         assert missing is None
         assert quant.float32_tiles_missing([576, 30]) == "input widths [30] are not multiples of 4"
+    elif cpu_flags() and "avx512f" not in cpu_flags():
+        assert missing == "this CPU has no AVX-512"
     else:
-        assert "built without AVX-512" in missing
+        assert missing == "the C++ matmul kernels were built without AVX-512"
     monkeypatch.setenv("TOKENLINE_FLOAT32_TILES", "0")
     assert quant.float32_tiles_missing([576]) == "TOKENLINE_FLOAT32_TILES=0"
+    monkeypatch.setenv("TOKENLINE_FLOAT32_TILES", "off")
+    with pytest.raises(ValueError, match="TOKENLINE_FLOAT32_TILES must be 0 or 1, not 'off'"):
+        quant.float32_tiles_missing([576])
 
 
 def test_portable_kernels_match_reference():
