@@ -36,7 +36,7 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as the scheduler runs: its
 
 import torch  # noqa: E402
 
-from services.scheduler.attention import torch_backend  # noqa: E402
+from services.scheduler import native  # noqa: E402
 from services.scheduler.native import LOCAL_INCLUDE, Extension  # noqa: E402
 
 HQ, HKV, D, PAGE, LAYERS = 9, 3, 64, 16, 30
@@ -83,7 +83,7 @@ def _time(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
-def source_at(rev: str, kernel: Extension = torch_backend.DECODE) -> Path:
+def source_at(rev: str, kernel: Extension = native.DECODE) -> Path:
     """A kernel's source at git revision `rev`, with the headers it includes at that revision,
     written into a temporary tree laid out as the repository is; the source's path there."""
     root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"],
@@ -105,7 +105,7 @@ def source_at(rev: str, kernel: Extension = torch_backend.DECODE) -> Path:
     return tree / source
 
 
-def build_at(rev: str, kernel: Extension = torch_backend.DECODE) -> object:
+def build_at(rev: str, kernel: Extension = native.DECODE) -> object:
     """A kernel (the decode kernel's unless told) as it was at git revision `rev`, built as an
     extension of its own."""
     module = Extension(source_at(rev, kernel), f"{kernel.what} at {rev}").module()
@@ -117,7 +117,7 @@ def whole_steps(kernels: dict[str, object], dtype: str, rounds: int, repeats: in
     """decode64 through step_profile with each kernel in turn: median wall and attention ms."""
     from bench.step_profile import profile_steps
     from common.modelstore import gguf_source, prepare_model
-    from services.scheduler.model_runner import ModelRunner
+    from services.scheduler.executor.model_runner import ModelRunner
     from services.scheduler.native import NativeKernels
 
     runner = ModelRunner(prepare_model(None), device="cpu", dtype=dtype,
@@ -127,13 +127,13 @@ def whole_steps(kernels: dict[str, object], dtype: str, rounds: int, repeats: in
     try:
         for _ in range(rounds):
             for name, module in kernels.items():
-                torch_backend.DECODE._state = NativeKernels(module=module)
+                native.DECODE._state = NativeKernels(module=module)
                 # flops and bandwidth only scale the matmul roofline column, unused here
                 prof = profile_steps(runner, ["decode64"], repeats, 1e12, 1e11)[0]
                 walls[name].append(prof.wall_ms)
                 attention[name].append(prof.ms["attention"])
     finally:
-        torch_backend.DECODE._state = NativeKernels(module=kernels["this"])
+        native.DECODE._state = NativeKernels(module=kernels["this"])
     print(f"decode64 steps, {dtype}, {rounds} rounds of the fastest of {repeats}, median ms: "
           + " | ".join(f"{name} wall {statistics.median(walls[name]):.2f} attention "
                        f"{statistics.median(attention[name]):.2f}" for name in kernels))
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    kernels = {"this": torch_backend.cpu_kernels()}
+    kernels = {"this": native.DECODE.module()}
     assert kernels["this"] is not None, "the CPU decode kernel did not build"
     if args.against:
         kernels[args.against] = build_at(args.against)

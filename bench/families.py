@@ -73,8 +73,8 @@ class DecodeProbe:
 
     def __init__(self, path: Path, context: int, steps: int) -> None:
         from common.messages import SamplingParams
-        from services.scheduler.model_runner import ModelRunner
-        from services.scheduler.request import Request
+        from services.scheduler.core.request import Request
+        from services.scheduler.executor.model_runner import ModelRunner
 
         self.runner = ModelRunner(path, device="cpu", dtype="float32",
                                   max_total_tokens=context + steps + 64)

@@ -198,7 +198,7 @@ def _record_decode_steps(engine: Any, timing: DecodeTiming) -> None:
 def compile_times(core: Any, schema: dict) -> dict[str, float]:
     """The schema's compile on a fresh compiler (cold), then a lookup of it (cached), in ms."""
     from common.messages import StructuredOutputs
-    from services.scheduler.grammar import GrammarCompiler
+    from services.scheduler.core.grammar import GrammarCompiler
 
     compiler = GrammarCompiler(core.grammars.backend, timeout_s=60.0)
     times = {}

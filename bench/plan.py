@@ -79,8 +79,8 @@ class PlanResult:
 
 
 # Bytes per weight under --quantization, as tokenline's CPU kernels hold them: codes of 8 or 4
-# bits with a float16 scale and minimum per 32 weights (services/scheduler/quant.py; Q4_K files
-# keep float32 ones, 0.75 a weight). The embedding is int8 under both. On CUDA tokenline
+# bits with a float16 scale and minimum per 32 weights (services/scheduler/models/quant.py; Q4_K
+# files keep float32 ones, 0.75 a weight). The embedding is int8 under both. On CUDA tokenline
 # dequantizes on load: plan that with none.
 QUANT_BYTES = {"int8": 1.0 + 4 / 32, "int4": 0.5 + 4 / 32}
 

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from services.scheduler.attention.base import AttentionMetadata  # noqa: E402
 from services.scheduler.attention.torch_backend import TorchBackend, prefill_kernels  # noqa: E402
-from services.scheduler.model_runner import _sdpa_route  # noqa: E402
+from services.scheduler.executor.model_runner import _sdpa_route  # noqa: E402
 
 HQ, HKV, D, PAGE = 9, 3, 64, 16
 BURST = [90, 120, 150, 180, 200, 220, 250, 270, 300, 248]  # a prefill step of the 64-request burst
@@ -125,8 +125,8 @@ def extend_table(extends: list[tuple[int, int]], dtypes: list[torch.dtype],
 def step_table(dtypes: list[str], rounds: int) -> list[str]:
     from common.messages import SamplingParams
     from common.modelstore import prepare_model
-    from services.scheduler.model_runner import ModelRunner
-    from services.scheduler.request import Request
+    from services.scheduler.core.request import Request
+    from services.scheduler.executor.model_runner import ModelRunner
 
     spent = [0.0]
     forward = TorchBackend.forward

@@ -68,7 +68,7 @@ def measure(quantizations: list[str], *, model: str | None = None, dtype: str = 
     from tokenizers import Tokenizer
 
     from common.modelstore import gguf_source, prepare_model
-    from services.scheduler.model_runner import ModelRunner
+    from services.scheduler.executor.model_runner import ModelRunner
 
     path = prepare_model(model)
     ids = Tokenizer.from_file(str(path / "tokenizer.json")).encode(text.read_text()).ids

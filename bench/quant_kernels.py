@@ -7,7 +7,7 @@ tied lm_head) at batch 1, 7 and 64, every way we can multiply by a weight:
   bfloat16, and in float32 where our tiles do not run);
 - ours, float32: the weights in our kernels' tiles through quant_cpu.cpp's float_linear
   (quant.Float32Tiles: what `--quantization none` runs in float32 on AVX-512 CPUs);
-- ours: int8 and int4 group-32 weights through services/scheduler/quant_cpu.cpp, float32 in
+- ours: int8 and int4 group-32 weights through services/scheduler/native/quant_cpu.cpp, float32 in
   and out (what `--quantization int8|int4` runs);
 - torch's: `torch._weight_int8pack_mm` (int8 per output row) and
   `torch._weight_int4pack_mm_for_cpu` (int4 group 32), with bfloat16 activations, the only
@@ -42,7 +42,8 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # services/scheduler/__main_
 
 import torch  # noqa: E402
 
-from services.scheduler import quant  # noqa: E402
+from services.scheduler import native  # noqa: E402
+from services.scheduler.models import quant  # noqa: E402
 from services.scheduler.models.layers import onednn_linear, onednn_pack  # noqa: E402
 
 # (name, out_features, in_features, how many per decode step) for SmolLM2-135M
@@ -179,8 +180,8 @@ def decode_steps(batches: list[int], context: int, min_s: float) -> dict:
     """Fastest whole decode step (ms) of SmolLM2 per (quantization, dtype) and batch size."""
     from common.messages import SamplingParams
     from common.modelstore import gguf_source, prepare_model
-    from services.scheduler.model_runner import ModelRunner
-    from services.scheduler.request import Request
+    from services.scheduler.core.request import Request
+    from services.scheduler.executor.model_runner import ModelRunner
 
     path = prepare_model(None)
     out: dict = {}
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.against:
         from bench.decode_attention import build_at
 
-        AGAINST[args.against] = build_at(args.against, quant.KERNELS)
+        AGAINST[args.against] = build_at(args.against, native.QUANT)
     table = run(args.batches, args.min_seconds)
     if args.steps:
         table["decode_step_ms"] = decode_steps(args.batches, args.context, args.min_seconds)

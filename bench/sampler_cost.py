@@ -15,7 +15,7 @@ import sys
 
 from common.config import ServerArgs
 from common.messages import SamplingParams, TokenizedReq
-from services.scheduler.engine import EngineCore
+from services.scheduler.core.engine import EngineCore
 
 MIXES = {
     "greedy": dict(temperature=0.0),

@@ -96,7 +96,7 @@ class _Labels:
     a record_function region, so that ops can be counted per category."""
 
     def __init__(self, runner) -> None:
-        from services.scheduler import sampler
+        from services.scheduler.core import sampler
         from services.scheduler.models import layers
 
         self.targets = [(layers.Linear, "forward", "matmuls"),
@@ -134,14 +134,14 @@ class _Labels:
     def regions(self):
         """Also makes each call into layers.py's C++ ops an event of its own (CPP_PREFIX): the
         profiler does not see a pybind call, and each is one call from Python like a torch op."""
-        from services.scheduler.models import layers
+        from services.scheduler.native import ops
 
         def wrapper(fn, label: str):
             def labelled(*args, **kwargs):
                 with record_function(label):
                     return fn(*args, **kwargs)
             return labelled
-        module = getattr(layers, "_ops_module", None)  # code before the fused ops: none
+        module = getattr(ops, "_ops_module", None)  # code before the fused ops: none
         names = dir(module) if isinstance(module, types.ModuleType) else []
         extra = [(module, name, CPP_PREFIX + name) for name in names
                  if not name.startswith("_") and callable(getattr(module, name))]
@@ -173,7 +173,7 @@ def _requests(kind: str, page_size: int):
     """(requests, tokens computed per request) for one step kind, with block tables laid out
     one after another in the pool."""
     from common.messages import SamplingParams
-    from services.scheduler.request import Request
+    from services.scheduler.core.request import Request
 
     if kind == "prefill":
         contexts, new = [0], [2048]
@@ -197,7 +197,7 @@ def _requests(kind: str, page_size: int):
 
 
 def _step_fn(runner, kind: str) -> Callable[[], object]:
-    from services.scheduler import sampler
+    from services.scheduler.core import sampler
 
     reqs, new = _requests(kind, runner.page_size)
     rows = [sampler.SampleRow(r.params, 0, r.num_computed + n, None, None, [])
@@ -292,9 +292,9 @@ def compare_torch_ops(runner, steps: list[str], repeats: int) -> dict[str, dict[
     """Each step's fastest wall time with layers.py's C++ ops and with the torch ops they
     replaced (the fallback, switched in by hand), runs alternating in this one process: the
     ratio holds on a shared machine where the absolute times do not."""
-    from services.scheduler.models import layers
+    from services.scheduler.native import ops
 
-    built = layers._ops_module
+    built = ops._ops_module
     out = {}
     for kind in steps:
         fn = _step_fn(runner, kind)
@@ -303,12 +303,12 @@ def compare_torch_ops(runner, steps: list[str], repeats: int) -> dict[str, dict[
         try:
             for _ in range(reps + 1):  # the first round warms both up
                 for path in best:
-                    layers._ops_module = built if path == "fused" else None
+                    ops._ops_module = built if path == "fused" else None
                     t = time.perf_counter()
                     fn()
                     best[path] = min(best[path], time.perf_counter() - t)
         finally:
-            layers._ops_module = built
+            ops._ops_module = built
         out[kind] = {"fused_ms": round(best["fused"] * 1e3, 3),
                      "torch_ms": round(best["torch"] * 1e3, 3),
                      "speedup": round(best["torch"] / best["fused"], 3)}
@@ -335,7 +335,7 @@ def format_profiles(profiles: list[StepProfile]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from services.scheduler import quant
+    from services.scheduler.models import quant
 
     p = argparse.ArgumentParser(prog="tokenline bench profile",
                                 description=__doc__.splitlines()[0])
@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from common.modelstore import gguf_source, prepare_model
-    from services.scheduler.model_runner import ModelRunner
+    from services.scheduler.executor.model_runner import ModelRunner
 
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -384,9 +384,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_profiles(profiles))
     compared = None
     if args.compare_torch_ops:
-        from services.scheduler.models import layers
+        from services.scheduler.native import ops
 
-        if not isinstance(getattr(layers, "_ops_module", None), types.ModuleType):
+        if not isinstance(getattr(ops, "_ops_module", None), types.ModuleType):
             parser.error("--compare-torch-ops: the fused C++ ops are not built here")
         compared = compare_torch_ops(runner, steps, args.repeats)
         print("\nfused C++ ops against the torch ops they replaced (fastest wall, alternating):")

@@ -14,7 +14,7 @@ import msgspec
 class StructuredOutputs(msgspec.Struct, omit_defaults=True):
     """A constraint on the output, as vLLM's `StructuredOutputsParams` names it: set at most one.
 
-    The scheduler compiles it into a grammar (`services/scheduler/grammar.py`) that masks every
+    The scheduler compiles it into a grammar (`services/scheduler/core/grammar.py`) that masks every
     sampled token, so the output is in the grammar's language however small the model."""
 
     json: str | dict | None = None  # a JSON schema (as text or as a dict)

@@ -30,10 +30,10 @@ FAST_PATH_CALLS: Counter[str] = Counter()
 
 
 def _count_fast_paths() -> None:
-    from services.scheduler import quant
     from services.scheduler.attention import triton_backend
     from services.scheduler.attention.torch_backend import TorchBackend
-    from services.scheduler.models import layers
+    from services.scheduler.models import layers, linear, quant
+    from services.scheduler.native import ops
 
     def count(name: str, fn):
         def counted(*args, **kwargs):
@@ -48,12 +48,14 @@ def _count_fast_paths() -> None:
         lambda self, *_: ("C++ prefill kernel" if self.use_native_prefill
                           else "torch prefill (the fallback)"),
         TorchBackend._prefill)
-    layers.onednn_linear = count(
-        lambda x, packed, *_: f"oneDNN {str(packed.dtype).removeprefix('torch.')} linears",
-        layers.onednn_linear)
+    def onednn(x, packed, *_):
+        return f"oneDNN {str(packed.dtype).removeprefix('torch.')} linears"
+
+    linear.onednn_linear = count(onednn, linear.onednn_linear)  # the projections
+    layers.onednn_linear = count(onednn, layers.onednn_linear)  # the lm_head
 
     def fused(what: str):
-        return lambda x, *_: (f"C++ fused {what}" if layers.fused_ops(x) is not None
+        return lambda x, *_: (f"C++ fused {what}" if ops.fused_ops(x) is not None
                               else f"torch {what} (the fallback)")
 
     layers.add_rms_norm_ = count(lambda residual, x, *_: fused("add+RMSNorm")(x),

@@ -73,7 +73,7 @@ class Engine:
 
     def __init__(self, model: str | None = None, **engine_flags: Any) -> None:
         self.args = _server_args(model, engine_flags)
-        from services.scheduler.engine import EngineCore  # torch loads here, not on import
+        from services.scheduler.core.engine import EngineCore  # torch loads here, not on import
 
         self.core = EngineCore(self.args)
         self._chat = None

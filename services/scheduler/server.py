@@ -36,7 +36,7 @@ from common.peers import PeerTable
 from common.service import Service
 from common.subjects import SCHEDULER_QUEUE
 from services.scheduler import process_setup
-from services.scheduler.engine import EngineCore, StepStats
+from services.scheduler.core.engine import EngineCore, StepStats
 from services.scheduler.spans import SchedulerSpans
 
 log = get_logger("scheduler")

@@ -20,7 +20,7 @@ from typing import Any
 
 from common import tracing
 from common.messages import Finish, TokenizedReq, TokenOut
-from services.scheduler.engine import StepStats
+from services.scheduler.core.engine import StepStats
 
 
 @dataclass

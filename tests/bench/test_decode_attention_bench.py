@@ -52,13 +52,13 @@ def test_against_a_revision_writes_the_kernel_with_the_headers_it_includes():
 
     from services.scheduler.native import local_headers
 
-    source = decode_attention.torch_backend.DECODE.source
+    source = decode_attention.native.DECODE.source
     path = decode_attention.source_at("HEAD")
     assert path.name == source.name
     assert path.read_text() == subprocess.check_output(
-        ["git", "show", "HEAD:services/scheduler/attention/paged_decode_cpu.cpp"],
+        ["git", "show", "HEAD:services/scheduler/native/paged_decode_cpu.cpp"],
         cwd=source.parent, text=True)
     headers = local_headers(path)
     assert [h.name for h in headers] == ["cpu_vec.h"]
     tree = Path(*path.parts[: len(path.parts) - 4])  # the temporary repository root
-    assert headers[0] == (tree / "services/scheduler/cpu_vec.h").resolve()
+    assert headers[0] == (tree / "services/scheduler/native/cpu_vec.h").resolve()

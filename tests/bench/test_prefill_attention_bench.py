@@ -10,7 +10,7 @@ import torch
 
 from bench import prefill_attention
 from services.scheduler.attention.torch_backend import prefill_kernels
-from services.scheduler.model_runner import _sdpa_route
+from services.scheduler.executor.model_runner import _sdpa_route
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench import step_profile as profile
-from services.scheduler.model_runner import ModelRunner
+from services.scheduler.executor.model_runner import ModelRunner
 
 
 def test_each_step_splits_into_its_parts(tiny_model_dir):
@@ -35,12 +35,12 @@ def test_unknown_step_is_refused(capsys):
 
 
 def test_compare_torch_ops_times_both_paths(tiny_model_dir):
-    from services.scheduler.models import layers
+    from services.scheduler.native import ops
 
     runner = ModelRunner(tiny_model_dir, device="cpu", dtype="float32", max_total_tokens=512)
-    built = layers._ops_module
+    built = ops._ops_module
     got = profile.compare_torch_ops(runner, ["decode1"], repeats=2)
-    assert layers._ops_module is built  # switched back
+    assert ops._ops_module is built  # switched back
     c = got["decode1"]
     assert c["fused_ms"] > 0 and c["torch_ms"] > 0
     assert c["speedup"] == pytest.approx(c["torch_ms"] / c["fused_ms"], rel=1e-2)

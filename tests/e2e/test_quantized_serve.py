@@ -7,7 +7,7 @@ import aiohttp
 import pytest
 
 from common.messages import SamplingParams
-from services.scheduler import quant
+from services.scheduler.models import quant
 from tests.helpers import Stack
 from tokenline import Engine
 

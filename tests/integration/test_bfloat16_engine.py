@@ -10,7 +10,7 @@ from structlog.testing import capture_logs
 from tokenizers import Tokenizer
 
 from bench.plan import check_server
-from services.scheduler.engine import EngineCore
+from services.scheduler.core.engine import EngineCore
 from tests.helpers import engine_args, run_engine
 from tests.integration.test_greedy_equivalence import PROMPTS, _reqs
 from tests.unit.test_model_logits import BF16_END_TO_END, BF16_LOGIT_TOLERANCE, our_logits

@@ -11,10 +11,10 @@ import statistics
 import pytest
 
 from common.messages import Finish, SamplingParams, TokenizedReq
-from services.scheduler.engine import EngineCore
-from services.scheduler.kv_pool import BlockPool
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.core.engine import EngineCore
+from services.scheduler.core.kv_pool import BlockPool
+from services.scheduler.core.request import Request
+from services.scheduler.core.scheduler import Scheduler, SchedulerConfig
 from tests.helpers import engine_args
 
 BUDGET, CHUNK = 256, 64

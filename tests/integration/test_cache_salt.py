@@ -9,8 +9,8 @@ import random
 from common.config import ServerArgs
 from common.messages import GenerateReq, SamplingParams, TokenizedReq
 from services.gateway.tracker import Tracker
-from services.scheduler.engine import EngineCore
-from services.scheduler.request import Request
+from services.scheduler.core.engine import EngineCore
+from services.scheduler.core.request import Request
 from services.tokenizer.server import TokenizerService
 from tests.helpers import engine_args
 

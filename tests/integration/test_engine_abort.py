@@ -4,7 +4,7 @@ its request wins, and nothing is ever allocated for it."""
 from __future__ import annotations
 
 from common.messages import AbortReq, SamplingParams, TokenizedReq
-from services.scheduler.engine import EngineCore
+from services.scheduler.core.engine import EngineCore
 from tests.helpers import engine_args
 
 PARAMS = SamplingParams(max_new_tokens=500, temperature=0.0, ignore_eos=True)

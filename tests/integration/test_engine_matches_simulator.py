@@ -10,7 +10,7 @@ import pytest
 
 from bench.simulate import simulate
 from common.messages import SamplingParams, TokenizedReq
-from services.scheduler.engine import EngineCore
+from services.scheduler.core.engine import EngineCore
 from tests.helpers import engine_args, run_engine
 
 

@@ -14,8 +14,8 @@ import re
 import pytest
 
 from common.messages import AbortReq, SamplingParams, StructuredOutputs, TokenizedReq
-from services.scheduler.engine import EngineCore
-from services.scheduler.request import Status
+from services.scheduler.core.engine import EngineCore
+from services.scheduler.core.request import Status
 from tests.helpers import engine_args, run_engine
 
 REGEX = r"[a-z]{3,8}(-[0-9]{2,4}){1,3}"

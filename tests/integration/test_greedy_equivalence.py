@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer
 
 from common.messages import SamplingParams, TokenizedReq
-from services.scheduler.engine import EngineCore
+from services.scheduler.core.engine import EngineCore
 from tests.helpers import engine_args, run_engine
 
 PROMPTS = [

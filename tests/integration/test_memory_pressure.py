@@ -8,10 +8,10 @@ import random
 import pytest
 
 from common.messages import SamplingParams, TokenizedReq
-from services.scheduler.engine import EngineCore
-from services.scheduler.kv_pool import BlockPool
-from services.scheduler.request import Request
-from services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from services.scheduler.core.engine import EngineCore
+from services.scheduler.core.kv_pool import BlockPool
+from services.scheduler.core.request import Request
+from services.scheduler.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tests.helpers import engine_args, run_engine
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from common.messages import SamplingParams, TokenizedReq
 from common.modelstore import model_info
-from services.scheduler.engine import EngineCore
+from services.scheduler.core.engine import EngineCore
 from services.tokenizer.tokenize import TextTokenizer
 from tests.helpers import engine_args, run_engine
 

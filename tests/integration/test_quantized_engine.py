@@ -11,10 +11,10 @@ import torch
 
 from bench.quality import measure
 from common.messages import SamplingParams
-from services.scheduler import quant
 from services.scheduler.attention.torch_backend import TorchBackend
-from services.scheduler.engine import EngineCore
-from services.scheduler.models import model_class
+from services.scheduler.core.engine import EngineCore
+from services.scheduler.models import model_class, quant
+from services.scheduler.models.quantize import quantize_model
 from tests.helpers import engine_args, run_engine
 from tests.integration.test_sampling_engine import _crowd, _seeded
 from tokenline import Engine
@@ -84,10 +84,10 @@ def test_dequantize_on_load_gives_the_kernels_numbers(tiny_model_dir, mode):
         return model.eval()
 
     plain, packed = load(), load()
-    summary = quant.quantize_model(plain, mode, None, packed=False)
+    summary = quantize_model(plain, mode, None, packed=False)
     assert summary.kernel == "dequantized" and summary.at_load > 0
     assert all(m.quantized is None for m in plain.modules() if hasattr(m, "quantized"))
-    quant.quantize_model(packed, mode, None, packed=True)
+    quantize_model(packed, mode, None, packed=True)
     checked = 0
     for (name, a), b in zip(plain.named_modules(), packed.modules(), strict=True):
         if getattr(b, "quantized", None) is not None:

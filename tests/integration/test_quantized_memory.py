@@ -20,7 +20,7 @@ SCRIPT = """
 import gc, json, sys
 from common.modelstore import gguf_source, prepare_model
 from services.scheduler.attention.torch_backend import cpu_kernels
-from services.scheduler.model_runner import ModelRunner
+from services.scheduler.executor.model_runner import ModelRunner
 
 def rss():
     for line in open("/proc/self/status"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.messages import SamplingParams, TokenizedReq
-from services.scheduler.engine import EngineCore
+from services.scheduler.core.engine import EngineCore
 from tests.helpers import engine_args, run_engine
 
 # compiled kernels on a GPU; Triton's interpreter on CPU tensors otherwise (tests/conftest.py

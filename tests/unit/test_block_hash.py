@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from common.block_hash import ROOT_HASH, block_hash, prefix_block_hashes
 from common.messages import Finish, SamplingParams
-from services.scheduler.kv_pool import BlockPool
-from services.scheduler.request import Request
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.core.kv_pool import BlockPool
+from services.scheduler.core.request import Request
+from services.scheduler.core.scheduler import Scheduler, SchedulerConfig
 
 
 def _run_once(sched: Scheduler, rid: str, tokens: list[int]) -> Request:

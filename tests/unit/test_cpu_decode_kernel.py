@@ -10,7 +10,7 @@ import torch
 from services.scheduler.attention import torch_backend
 from services.scheduler.attention.base import AttentionMetadata
 from services.scheduler.attention.torch_backend import TorchBackend, native_kernels
-from services.scheduler.native import cpu_flags
+from services.scheduler.native import DECODE, cpu_flags
 from tests.helpers import portable_build
 
 
@@ -172,7 +172,7 @@ def test_bf16_kernel_uses_avx512_bf16_where_the_cpu_has_it(kernels):
                     reason="-mno-avx512f (the AVX2 build) is an x86 compiler flag")
 def test_portable_bf16_kernel_matches_too(kernels, monkeypatch):
     """The path an AVX2-only CPU builds: the same source without AVX-512 (its own build)."""
-    module = portable_build(torch_backend.DECODE.source, "the portable decode kernel").module
+    module = portable_build(DECODE.source, "the portable decode kernel").module
     assert module is not None and not module.fast_bf16()
     monkeypatch.setattr(torch_backend, "cpu_kernels", lambda: module)
     for d in (64, 80):
@@ -196,7 +196,7 @@ def test_kernel_says_which_shapes_it_has(kernels):
 
 
 def test_model_runner_decodes_through_the_kernel(kernels, smol_path):
-    from services.scheduler.model_runner import ModelRunner
+    from services.scheduler.executor.model_runner import ModelRunner
 
     runner = ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype="float32")
     assert runner.attention_kernel == "native" and runner.backend.use_native
@@ -209,8 +209,8 @@ def test_a_kernel_that_fails_to_build_is_an_error_not_a_fallback(tmp_path, monke
         pytest.skip(f"{native_kernels().missing}: nothing is built here")
     broken = tmp_path / "paged_decode_cpu.cpp"
     broken.write_text("#error a compile error, on purpose\n")
-    monkeypatch.setattr(torch_backend.DECODE, "source", broken)
-    monkeypatch.setattr(torch_backend.DECODE, "_state", None)
+    monkeypatch.setattr(DECODE, "source", broken)
+    monkeypatch.setattr(DECODE, "_state", None)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
     monkeypatch.setenv("TOKENLINE_CPU_KERNELS", "1")
     assert torch_backend.cpu_kernels() is None  # users: plain torch, and the reason is kept

@@ -20,7 +20,7 @@ import torch
 from services.scheduler.attention import torch_backend
 from services.scheduler.attention.base import AttentionMetadata
 from services.scheduler.attention.torch_backend import SdpaRoute, TorchBackend, prefill_kernels
-from services.scheduler.native import cpu_flags
+from services.scheduler.native import PREFILL, cpu_flags
 from tests.helpers import portable_build
 from tests.unit.test_cpu_decode_kernel import random_step
 
@@ -210,7 +210,7 @@ def test_bf16_kernel_uses_avx512_bf16_where_the_cpu_has_it(kernels):
 def test_portable_kernel_matches_too(kernels, monkeypatch):
     """The path an AVX2-only CPU builds (8 lanes, bf16 widened to float32): the same source
     without AVX-512, its own build."""
-    state = portable_build(torch_backend.PREFILL.source, "the portable prefill kernel")
+    state = portable_build(PREFILL.source, "the portable prefill kernel")
     assert state.module is not None and not state.module.fast_bf16()
     monkeypatch.setattr(torch_backend, "prefill_kernels", lambda: state)
     for page, hq, hkv, d in [(16, 9, 3, 64), (4, 6, 2, 80)]:
@@ -229,7 +229,7 @@ def test_kernel_says_which_shapes_it_has(kernels):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_runner_prefills_through_the_kernel(kernels, smol_path, dtype, monkeypatch):
-    from services.scheduler.model_runner import ModelRunner
+    from services.scheduler.executor.model_runner import ModelRunner
 
     # long fresh bfloat16 prompts go to SDPA where the CPU has AMX, never in float32
     sdpa = dtype == "bfloat16" and "amx_bf16" in cpu_flags()

@@ -1,4 +1,4 @@
-"""The C++ fused ops (services/scheduler/models/ops_cpu.cpp) against the torch ops they replace.
+"""The C++ fused ops (services/scheduler/native/ops_cpu.cpp) against the torch ops they replace.
 
 float32: how far each op moves from the torch path it replaced is asserted below (sums run in
 another order, and the rotary's products may fuse into one multiply-add: a few float32 ulps).
@@ -18,13 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from services.scheduler.models import layers
+from services.scheduler import native
 from services.scheduler.models.layers import RMSNorm, Rotary
+from services.scheduler.native import ops as fused
 from tests.helpers import portable_build
 
-native_ops = layers.OPS.module()
+native_ops = native.OPS.module()
 pytestmark = pytest.mark.skipif(native_ops is None,
-                                reason=f"no C++ toolchain: {layers.OPS.kernels()}")
+                                reason=f"no C++ toolchain: {native.OPS.kernels()}")
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 
 
@@ -35,7 +36,7 @@ def ops(request):
         return native_ops
     if not X86:  # -mno-avx512f is an x86 flag; elsewhere the native build is the portable one
         pytest.skip(f"{platform.machine()}: no AVX-512 to switch off")
-    module = portable_build(layers.OPS.source, "the portable fused ops").module
+    module = portable_build(native.OPS.source, "the portable fused ops").module
     assert module is not None and not module.avx512()
     return module
 
@@ -313,18 +314,18 @@ def test_greedy_sampling_runs_the_kernel_and_falls_back_to_torch(monkeypatch):
     """sampler.argmax goes through the C++ pass for CPU float32 and bfloat16 logits, and
     through torch for what the kernel does not take (float16; TOKENLINE_CPU_KERNELS=0, which
     leaves no module): the same tokens either way."""
-    from services.scheduler import sampler
+    from services.scheduler.core import sampler
 
     torch.manual_seed(2)
     logits = torch.randn(64, 5000)
     calls = []
     real = native_ops.argmax_rows
-    monkeypatch.setattr(layers, "_ops_module", type("Spy", (), {
+    monkeypatch.setattr(fused, "_ops_module", type("Spy", (), {
         "argmax_rows": staticmethod(lambda x: calls.append(x.dtype) or real(x))})())
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         assert torch.equal(sampler.argmax(logits.to(dtype)), logits.to(dtype).argmax(-1))
     assert calls == [torch.float32, torch.bfloat16]
-    monkeypatch.setattr(layers, "_ops_module", None)
+    monkeypatch.setattr(fused, "_ops_module", None)
     assert torch.equal(sampler.argmax(logits), logits.argmax(-1))
     assert len(calls) == 2
 
@@ -333,9 +334,9 @@ def test_other_dtypes_are_refused_by_the_kernels_and_run_in_torch():
     x = torch.randn(3, 8, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         native_ops.silu_and_mul(x)
-    assert layers.fused_ops(x) is None  # so the layers take the torch path
-    assert layers.fused_ops(x.half()) is None
-    assert layers.fused_ops(x.float()) is native_ops
+    assert fused.fused_ops(x) is None  # so the layers take the torch path
+    assert fused.fused_ops(x.half()) is None
+    assert fused.fused_ops(x.float()) is native_ops
 
 
 # -- whole models: the fused path against the torch path it replaced ---------------------------
@@ -346,7 +347,7 @@ def _prefill_then_decode(runner, torch_path: bool, monkeypatch) -> torch.Tensor:
     from services.scheduler.attention.base import AttentionMetadata
 
     if torch_path:
-        monkeypatch.setattr(layers, "_ops_module", None)
+        monkeypatch.setattr(fused, "_ops_module", None)
     ids = [(37 * i + 11) % 4000 + 10 for i in range(13)]
 
     def step(begin: int, end: int, idx: torch.Tensor) -> torch.Tensor:
@@ -380,7 +381,7 @@ def test_fused_model_logits_near_the_torch_path(tiny_family, dtype, monkeypatch)
     every position; bfloat16 (activations and norms in bf16, as --dtype bfloat16 will run
     them; cast here) apart by what bf16 rounds (measured: up to 0.13, 2.5% of the largest
     logit; the fused ops round once per op, the torch ones after every elementwise step)."""
-    from services.scheduler.model_runner import ModelRunner
+    from services.scheduler.executor.model_runner import ModelRunner
 
     runner = ModelRunner(tiny_family, device="cpu", dtype="float32", page_size=4,
                          max_total_tokens=64)
@@ -406,14 +407,14 @@ def test_fused_decode_step_calls_half_the_torch_ops(tiny_model_dir, monkeypatch)
     from torch.profiler import ProfilerActivity, profile
 
     from bench.step_profile import _count_ops, _Labels, _step_fn
-    from services.scheduler.model_runner import ModelRunner
+    from services.scheduler.executor.model_runner import ModelRunner
 
     runner = ModelRunner(tiny_model_dir, device="cpu", dtype="float32",
                          max_total_tokens=512)
     counts = {}
     for torch_path in (False, True):
         if torch_path:
-            monkeypatch.setattr(layers, "_ops_module", None)
+            monkeypatch.setattr(fused, "_ops_module", None)
         fn = _step_fn(runner, "decode1")
         fn()
         with _Labels(runner).regions(), profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -431,7 +432,7 @@ def test_quantized_decode_step_calls_no_torch_op_around_its_matmuls(tiny_model_d
     from torch.profiler import ProfilerActivity, profile
 
     from bench.step_profile import _count_ops, _Labels, _step_fn
-    from services.scheduler.model_runner import ModelRunner
+    from services.scheduler.executor.model_runner import ModelRunner
 
     runner = ModelRunner(tiny_model_dir, device="cpu", dtype="float32", quantization="int4",
                          max_total_tokens=512)

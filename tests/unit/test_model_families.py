@@ -12,10 +12,10 @@ import torch
 
 from bench.families import FAMILIES, WINDOW, make_tiny
 from common.messages import SamplingParams, TokenizedReq
-from services.scheduler import model_runner
 from services.scheduler.attention.base import AttentionMetadata
-from services.scheduler.engine import EngineCore
-from services.scheduler.model_runner import ModelRunner
+from services.scheduler.core.engine import EngineCore
+from services.scheduler.executor import model_runner
+from services.scheduler.executor.model_runner import ModelRunner
 from tests.helpers import engine_args, run_engine
 from tests.unit.test_model_logits import BF16_END_TO_END, assert_bf16_close
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from services.scheduler.attention.base import AttentionMetadata
-from services.scheduler.model_runner import ModelRunner
+from services.scheduler.executor.model_runner import ModelRunner
 from services.scheduler.native import cpu_flags
 
 
@@ -177,7 +177,7 @@ def test_without_onednn_bf16_the_projections_run_float32_from_bf16_weights(smol_
     logits are bfloat16's, within BF16_LOGIT_TOLERANCE of float32's through chunks and decodes."""
     from structlog.testing import capture_logs
 
-    from services.scheduler import model_runner
+    from services.scheduler.executor import model_runner
 
     monkeypatch.setattr(model_runner, "_cpu_bf16_linears", lambda device: False)
     monkeypatch.delenv("TOKENLINE_ONEDNN", raising=False)
@@ -230,7 +230,8 @@ def test_cpu_projections_keep_only_their_packed_copies(tiny_model_dir, monkeypat
     our float32 tiles (where this CPU runs them) as for oneDNN's copies."""
     from structlog.testing import capture_logs
 
-    from services.scheduler import quant
+    from services.scheduler import native
+    from services.scheduler.models import quant
     from services.scheduler.models.layers import Linear
 
     monkeypatch.delenv("TOKENLINE_ONEDNN", raising=False)
@@ -245,7 +246,7 @@ def test_cpu_projections_keep_only_their_packed_copies(tiny_model_dir, monkeypat
                         "through oneDNN"]
     else:
         assert bool(said) != use_tiles
-    assert use_tiles == (tiles == "1" and quant.KERNELS.module().vectorized())
+    assert use_tiles == (tiles == "1" and native.QUANT.module().vectorized())
     assert runner.linear_backend == ("native_float32" if use_tiles else "onednn")
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.weight is None for m in linears)

@@ -12,7 +12,8 @@ import pytest
 import torch
 from gguf import quants
 
-from services.scheduler import quant
+from services.scheduler import native
+from services.scheduler.models import quant
 
 # out x in: aligned (SmolLM2's o_proj, a multiple of 16 x 32) and odd on either side; 100 out
 # is 7 tiles of 16, so from 16 rows two groups of three tiles and a group of one
@@ -80,7 +81,7 @@ def test_kernel_matches_dequantize_reference(form, batch, shape):
 @pytest.fixture
 def restore_small_calls():
     yield
-    module = quant.KERNELS.module()
+    module = native.QUANT.module()
     module.set_one_thread_bytes(module.one_thread_bytes_default())
 
 
@@ -90,7 +91,7 @@ def test_small_calls_on_one_thread_or_all_give_the_same_numbers(form, restore_sm
     calibrate_small_calls chose): each tile is the same arithmetic either way, bit for bit."""
     torch.manual_seed(5)
     kernel = form.quantize(torch.randn(200, 576) * 0.05).pack()
-    module = quant.KERNELS.module()
+    module = native.QUANT.module()
     for batch in (1, 2, 3):
         x = torch.randn(batch, 576)
         assert module.set_one_thread_bytes(module.one_thread_bytes_default()) >= 0
@@ -106,7 +107,7 @@ def test_calibration_keeps_the_faster_setting_or_the_one_asked_for(restore_small
                                                                     monkeypatch):
     torch.manual_seed(6)
     layers = [quant.Int8Plain.quantize(torch.randn(512, 576) * 0.05).pack() for _ in range(4)]
-    module = quant.KERNELS.module()
+    module = native.QUANT.module()
     if module.dequant_rows() <= 1:  # an AVX2 build: every call dequantizes, nothing to time
         monkeypatch.setenv("TOKENLINE_QUANT_SMALL_CALLS", "one")
         assert quant.calibrate_small_calls(layers) == (
@@ -328,7 +329,7 @@ def test_float32_tiles_take_a_bias_strided_rows_and_other_dtypes():
 
 
 def test_float32_tiles_refuse_what_they_cannot_run(monkeypatch):
-    module = quant.KERNELS.module()
+    module = native.QUANT.module()
     tiles = quant.Float32Tiles(torch.randn(16, 64), None).tiles
     with pytest.raises(RuntimeError, match="multiple of 4"):
         module.float_linear(torch.randn(2, 62), quant._tiles(torch.randn(16, 62)), None, 16)
@@ -361,7 +362,6 @@ def test_float32_tiles_refuse_what_they_cannot_run(monkeypatch):
 def test_portable_kernels_match_reference():
     """The plain C++ path that machines without AVX512 build (CI may be AVX2 only), built here
     with AVX512 switched off: the same layout, the same numbers within float32 summation."""
-    from services.scheduler import native
     from tests.helpers import portable_build
 
     missing = native._toolchain_missing()
@@ -370,7 +370,7 @@ def test_portable_kernels_match_reference():
     if platform.machine().lower() not in ("x86_64", "amd64"):
         # -mno-avx512f exists on x86 only; elsewhere the suite's own build is the portable one
         pytest.skip(f"{platform.machine()}: no AVX512 to switch off")
-    module = portable_build(quant.KERNELS.source, "the portable matmul kernels").module
+    module = portable_build(native.QUANT.source, "the portable matmul kernels").module
     assert module is not None
     assert not module.vectorized()
     torch.manual_seed(6)

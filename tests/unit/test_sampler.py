@@ -7,7 +7,7 @@ import math
 import torch
 
 from common.messages import SamplingParams
-from services.scheduler.sampler import SampleRow, apply_penalties, sample
+from services.scheduler.core.sampler import SampleRow, apply_penalties, sample
 
 V = 8
 
@@ -143,7 +143,7 @@ def _reference_nucleus(logits: torch.Tensor, k: int, p: float, min_p: float) -> 
 def test_nucleus_over_a_large_vocabulary_matches_the_definition():
     # Peaked rows fit the first 1,024 candidates; flat ones need 8,192 or the whole row. Each
     # must keep exactly the reference's tokens with their probabilities, whatever the width.
-    from services.scheduler.sampler import CANDIDATES, WIDER_CANDIDATES, nucleus
+    from services.scheduler.core.sampler import CANDIDATES, WIDER_CANDIDATES, nucleus
 
     torch.manual_seed(0)
     vocab = 12000

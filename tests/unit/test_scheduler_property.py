@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from common.messages import AllBlocksCleared, BlockRemoved, BlockStored, Finish, SamplingParams
-from services.scheduler.kv_pool import BlockPool
-from services.scheduler.request import Request, Status
-from services.scheduler.scheduler import Scheduler, SchedulerConfig
+from services.scheduler.core.kv_pool import BlockPool
+from services.scheduler.core.request import Request, Status
+from services.scheduler.core.scheduler import Scheduler, SchedulerConfig
 
 request_st = st.tuples(
     st.integers(0, 30),  # arrival step

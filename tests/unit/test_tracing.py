@@ -16,7 +16,7 @@ from bench.otlp_receiver import GrpcOtlpReceiver
 from common import tracing
 from common.config import ServerArgs
 from common.messages import Finish, SamplingParams, TokenizedReq, TokenOut
-from services.scheduler.engine import StepStats
+from services.scheduler.core.engine import StepStats
 from services.scheduler.spans import SchedulerSpans
 from tests.helpers import REPO
 

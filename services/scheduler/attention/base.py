@@ -69,18 +69,3 @@ class AttentionBackend:
         window: int | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
-
-
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    """`auto` picks triton on CUDA and torch elsewhere."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        from services.scheduler.attention.torch_backend import TorchBackend
-
-        return TorchBackend()
-    if name == "triton":
-        from services.scheduler.attention.triton_backend import TritonBackend
-
-        return TritonBackend()
-    raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or triton)")

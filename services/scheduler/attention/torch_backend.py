@@ -39,14 +39,13 @@ C++ kernel starts its walk at the window instead); the cache itself is the same 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from common.logging import get_logger
 from services.scheduler.attention.base import AttentionBackend, AttentionMetadata
-from services.scheduler.native import Extension, NativeKernels
+from services.scheduler.native import DECODE, PREFILL, NativeKernels
 
 log = get_logger("attention")
 
@@ -361,9 +360,6 @@ def _fresh_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 # -- the native kernels -------------------------------------------------------------------------
 
 
-# the C++ decode and prefill kernels (services/scheduler/native.py builds them)
-DECODE = Extension(Path(__file__).with_name("paged_decode_cpu.cpp"), "the CPU decode kernel")
-PREFILL = Extension(Path(__file__).with_name("paged_prefill_cpu.cpp"), "the CPU prefill kernel")
 
 
 def cpu_kernels():

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.scheduler.attention.base import AttentionBackend, AttentionMetadata
-from services.scheduler.native import Extension
-from services.scheduler.quant import Float32Tiles, Int8Linear, QuantizedWeight
+from services.scheduler.models.linear import Linear, onednn_linear, onednn_pack
+from services.scheduler.models.quant import Float32Tiles, Int8Linear, QuantizedWeight
+from services.scheduler.native.ops import fused_ops
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -34,16 +35,10 @@ ACTIVATIONS = {
 # -- the fused small ops ------------------------------------------------------------------------
 #
 # On CPU, in float32 and bfloat16, the decoder's small ops run as one C++ call each
-# (ops_cpu.cpp: residual add + RMSNorm, rotary on q and k, activation-and-multiply): a batch-1
-# decode step is mostly such calls, each a few microseconds of dispatch around little work.
-# Elsewhere (CUDA, TOKENLINE_CPU_KERNELS=0, no compiler) the same functions run the torch ops
-# they replace, with the same results as before they existed.
-
-OPS = Extension(Path(__file__).with_name("ops_cpu.cpp"), "the CPU fused ops")
-FUSED_DTYPES = (torch.float32, torch.bfloat16)
-_UNRESOLVED = object()
-_ops_module: object = _UNRESOLVED  # the built module (or None), once asked for
-
+# (native/ops_cpu.cpp through native.ops: residual add + RMSNorm, rotary on q and k,
+# activation-and-multiply): a batch-1 decode step is mostly such calls, each a few microseconds
+# of dispatch around little work. Elsewhere (CUDA, TOKENLINE_CPU_KERNELS=0, no compiler) the
+# same functions run the torch ops they replace, with the same results as before they existed.
 
 # HOT_PATH: the decoder's forward reads its submodules from `_modules` and calls their
 # `forward` itself. nn.Module's __getattr__ (every submodule and Parameter read) and __call__
@@ -51,16 +46,6 @@ _ops_module: object = _UNRESOLVED  # the built module (or None), once asked for
 # step that runs in 7-9 ms with --quantization int4 (measured in one process). The engine
 # registers no hooks; bench.step_profile patches the classes' `forward`, which this still
 # calls.
-
-
-def fused_ops(x: torch.Tensor):
-    """The C++ ops for tensors like `x`, or None where plain torch runs."""
-    global _ops_module
-    if not x.is_cpu or x.dtype not in FUSED_DTYPES:
-        return None
-    if _ops_module is _UNRESOLVED:
-        _ops_module = OPS.module()  # raises under TOKENLINE_CPU_KERNELS=require if it failed
-    return _ops_module
 
 
 def add_rms_norm_(residual: torch.Tensor, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
@@ -97,56 +82,6 @@ def act_and_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     gate = F.silu(gate, inplace=True) if activation == "silu" else ACTIVATIONS[activation](gate)
     return gate.mul_(up)
-
-
-def onednn_pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A [out, in] weight (cast to `dtype`) reordered for oneDNN's inner-product kernel (CPU).
-
-    Why: torch runs a float32 F.linear through MKL, which on AMD CPUs takes a path about 2.5x
-    slower than oneDNN's AVX-512 kernels (measured on an EPYC: 110 against 265 GFLOP/s per
-    core). The result is float32 all the same, only summed in another order. A bfloat16 copy
-    runs on AVX512-BF16 at about twice that again.
-    """
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype or weight.dtype))
-
-
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None):
-    """x @ packed.T (+ bias), computed in the packed weight's dtype, returned in x's."""
-    if packed.dtype == x.dtype:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-    out = torch.ops.mkldnn._linear_pointwise(x.to(packed.dtype), packed, bias, "none", [], "")
-    return out.to(x.dtype)
-
-
-class Linear(nn.Linear):
-    """nn.Linear that, once `pack()`ed, runs from a oneDNN copy of its weight or from float32
-    tiles (CPU), or once given `quantized` weights (services/scheduler/quant.py), from those."""
-
-    packed: torch.Tensor | None = None
-    packed_bias: torch.Tensor | None = None
-    tiled: Float32Tiles | None = None
-    quantized: QuantizedWeight | None = None
-
-    def pack(self, dtype: torch.dtype | None = None, tiles: bool = False) -> None:
-        """Run from a oneDNN copy (or, with `tiles`, float32 tiles) from now on; the plain
-        weight is freed (it would double the memory the projections hold)."""
-        if tiles:
-            self.tiled = Float32Tiles(self.weight, self.bias)
-        else:
-            self.packed = onednn_pack(self.weight, dtype)
-            self.packed_bias = None if self.bias is None else self.bias.detach().to(
-                self.packed.dtype)
-        self.weight = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantized is not None:
-            out = self.quantized.matmul(x)
-            return out if self.bias is None else out + self.bias
-        if self.tiled is not None:
-            return self.tiled.matmul(x)
-        if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        return onednn_linear(x, self.packed, self.packed_bias)
 
 
 class RMSNorm(nn.Module):

@@ -45,15 +45,12 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from common.logging import get_logger
-from services.scheduler.native import Extension, cpu_flags
+from services.scheduler.native import QUANT, cpu_flags
 
 log = get_logger("quant")
 
-KERNELS = Extension(Path(__file__).with_name("quant_cpu.cpp"),
-                    "the CPU matmul kernels (int8, int4, float32 tiles)")
 
 # torch's CPU int8 and int4 kernels (the fallback) are vectorized for bfloat16 activations only
 TORCH_KERNEL_DTYPE = torch.bfloat16
@@ -74,7 +71,7 @@ def _round_up(n: int, m: int) -> int:
 def native() -> bool:
     """Whether the C++ kernels run here (else torch's; raises under TOKENLINE_CPU_KERNELS=require
     when they should have built and did not)."""
-    return KERNELS.module() is not None
+    return QUANT.module() is not None
 
 
 def kernel_dtype() -> torch.dtype:
@@ -207,7 +204,7 @@ class Int8Linear:
         return Int8Plain.quantize(weight).pack()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return _native_matmul(KERNELS.module().int8_linear, x, self.tiles, self.scale_min,
+        return _native_matmul(QUANT.module().int8_linear, x, self.tiles, self.scale_min,
                               self.out_features, self.in_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -238,7 +235,7 @@ class Int4Linear:
         return Int4Plain.quantize(weight).pack()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return _native_matmul(KERNELS.module().int4_linear, x, self.tiles, self.scale_min,
+        return _native_matmul(QUANT.module().int4_linear, x, self.tiles, self.scale_min,
                               self.out_features, self.in_features)
 
     @property
@@ -273,7 +270,7 @@ class Float32Tiles:
             x2 = x2.float()
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        out = KERNELS.module().float_linear(x2, self.tiles, self.bias, self.out_features)
+        out = QUANT.module().float_linear(x2, self.tiles, self.bias, self.out_features)
         if x.dim() != 2:
             out = out.view(*x.shape[:-1], self.out_features)
         return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -297,7 +294,7 @@ def float32_tiles_missing(in_features: list[int]) -> str | None:
     flags = cpu_flags()
     if flags and "avx512f" not in flags:
         return "this CPU has no AVX-512"
-    module = KERNELS.module()
+    module = QUANT.module()
     if module is None:
         return "no C++ matmul kernels"
     if not module.vectorized():
@@ -539,76 +536,6 @@ class QuantSummary:
         return out
 
 
-def _matches(plain: Plain, weight: torch.Tensor) -> bool:
-    """Whether `plain` dequantizes to `weight` (to float32 rounding), on every 16th row: a wrong
-    name or row order moves nearly every row, and checking all of them doubles the load time."""
-    rows = slice(None, None, 16)
-    deq = plain.select(rows).dequantize()
-    return deq.shape == weight[rows].shape and bool(
-        (deq - weight[rows].float()).abs().max() <= 1e-6)
-
-
-def _plain(name: str, weight: torch.Tensor, mode: str, gguf: GGUFWeights | None,
-           summary: QuantSummary) -> Plain:
-    """Layer `name` in `mode`: the file's own blocks where they map exactly, else quantized."""
-    plain = gguf.plain(name, mode) if gguf is not None else None
-    # the file's codes must give back the floats transformers read from it, or the name or row
-    # mapping is off for this family: then quantize the floats instead
-    if plain is not None and not _matches(plain, weight):
-        log.warning(f"{name}: the GGUF's {mode} blocks do not match its float weights; "
-                    "quantizing the floats at load")
-        plain = None
-    summary.from_file += plain is not None
-    summary.at_load += plain is None
-    if plain is None:
-        plain = Int8Plain.quantize(weight) if mode == "int8" else Int4Plain.quantize(weight)
-    return plain
-
-
-def quantize_model(model: nn.Module, mode: str, gguf: GGUFWeights | None, *,
-                   packed: bool) -> QuantSummary:
-    """Quantize every projection (`mode`) and the lm_head and input embedding (int8).
-
-    packed: run from the CPU kernels; else dequantize on load into the plain weights, in the
-    model's dtype (CUDA: same numbers, no kernel). The lm_head and the embedding stay int8
-    under int4 too, as llama.cpp's files keep them at 6-8 bits.
-    """
-    from services.scheduler.models.layers import Linear  # the model imports this module
-
-    summary = QuantSummary(mode, kernel=("native" if native() else "torch") if packed
-                           else "dequantized")
-    for name, module in model.named_modules():
-        if not isinstance(module, Linear) or module.weight is None:
-            continue
-        weight = module.weight
-        plain = _plain(name, weight, mode, gguf, summary)
-        if packed:
-            module.quantized = plain.pack()
-            module.weight = None
-        else:
-            weight.data.copy_(plain.dequantize())
-    embed = model.embed_tokens
-    lm = _plain("embed_tokens" if model.lm_head is None else "lm_head", model.lm_weight,
-                "int8", gguf, summary)
-    embed_plain = None if model.lm_head is None else _plain("embed_tokens", embed.weight,
-                                                            "int8", gguf, summary)
-    if not packed:
-        model.lm_weight.data.copy_(lm.dequantize())
-        if embed_plain is not None:
-            embed.weight.data.copy_(embed_plain.dequantize())
-        return summary
-    model.lm_quantized = lm.pack()
-    model.embed_quantized = model.lm_quantized if embed_plain is None else embed_plain.pack()
-    embed.weight = None
-    if model.lm_head is not None:
-        model.lm_head.weight = None
-    if summary.kernel == "native":
-        summary.small_calls = calibrate_small_calls(
-            [m.quantized for m in model.modules() if isinstance(m, Linear) and
-             m.quantized is not None] + [model.lm_quantized])
-    return summary
-
-
 def calibrate_small_calls(layers: list, rounds: int = 3) -> str:
     """Time a batch-1 pass over `layers` (the model's quantized matmuls, each its own weight, so
     read from memory as in a decode step) with 1-3 row calls on the calling thread and on every
@@ -616,7 +543,7 @@ def calibrate_small_calls(layers: list, rounds: int = 3) -> str:
     core streamed nearly both cores' bandwidth on one CPU here (one thread won by a quarter)
     and two thirds of it on another (two threads won by a third). TOKENLINE_QUANT_SMALL_CALLS
     = one|all skips the measurement. Returns what was chosen, for the start-up log."""
-    module = KERNELS.module()
+    module = QUANT.module()
     forced = os.environ.get("TOKENLINE_QUANT_SMALL_CALLS", "auto")
     if forced not in ("auto", "one", "all"):
         raise ValueError(f"TOKENLINE_QUANT_SMALL_CALLS must be auto, one or all, not {forced!r}")

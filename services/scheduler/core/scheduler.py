@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from common.block_hash import extend_block_hashes
 from common.messages import Finish
-from services.scheduler.kv_pool import BlockPool
-from services.scheduler.request import Request, Status
+from services.scheduler.core.kv_pool import BlockPool
+from services.scheduler.core.request import Request, Status
 
 
 @dataclass

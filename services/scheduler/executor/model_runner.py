@@ -6,14 +6,15 @@ import json
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from common import malloc
 from common.logging import get_logger
-from services.scheduler import quant
-from services.scheduler.attention.base import AttentionMetadata, get_backend
+from services.scheduler.attention.base import AttentionMetadata
+from services.scheduler.attention.registry import get_backend
 from services.scheduler.attention.torch_backend import (
     AMX_BF16,
     SdpaRoute,
@@ -22,9 +23,9 @@ from services.scheduler.attention.torch_backend import (
     native_kernels,
     prefill_kernels,
 )
-from services.scheduler.models import model_class
+from services.scheduler.models import model_class, quant
+from services.scheduler.models.quantize import quantize_model
 from services.scheduler.native import cpu_flags
-from services.scheduler.request import Request
 
 log = get_logger("model_runner")
 
@@ -91,6 +92,16 @@ def _release_freed_memory() -> None:
     this a quantized model's scheduler keeps the float model's footprint (int4 SmolLM2: 250
     against 115 MiB resident). Under a preloaded tcmalloc, its own release does the same."""
     malloc.release_free_memory()
+
+
+class Sequence(Protocol):
+    """What the runner reads of a request (core.request.Request is one): its tokens, how many
+    already have KV, and where its KV lives. The runner never changes it."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    num_computed: int
+    block_table: list[int]
 
 
 class ModelRunner:
@@ -227,7 +238,7 @@ class ModelRunner:
         gguf = quant.GGUFWeights(gguf_path, self.config) if gguf_path else None
         if gguf is not None:
             gguf.check(mode)
-        return quant.quantize_model(self.model, mode, gguf, packed=self.device.type == "cpu")
+        return quantize_model(self.model, mode, gguf, packed=self.device.type == "cpu")
 
     def _pick_attention_kernel(self, num_heads: int) -> str:
         """On CPU in float32 or bfloat16, decodes go through the C++ kernel when it builds for
@@ -320,7 +331,7 @@ class ModelRunner:
         }
 
     @torch.inference_mode()
-    def forward(self, reqs: list[Request], num_new: list[int], sample_rows: list[int]):
+    def forward(self, reqs: list[Sequence], num_new: list[int], sample_rows: list[int]):
         """Compute the new tokens of every request; logits only for rows in `sample_rows`."""
         p = self.page_size
         ids: list[int] = []
@@ -362,7 +373,7 @@ class ModelRunner:
         )
 
 
-def _token_slice(req: Request, begin: int, end: int) -> list[int]:
+def _token_slice(req: Sequence, begin: int, end: int) -> list[int]:
     """req.tokens[begin:end] without building the whole prompt + output list."""
     n = len(req.prompt_ids)
     if begin >= n:

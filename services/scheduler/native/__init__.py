@@ -1,8 +1,10 @@
-"""The scheduler's C++ CPU kernels: each source file one extension, compiled on first use.
+"""The scheduler's C++ CPU kernels: each source file in this folder one extension.
 
-Each `Extension` is one .cpp file next to the code that calls it, built with
-`torch.utils.cpp_extension.load` the first time a process asks for it (tens of seconds) and
-loaded from torch's cache (~/.cache/torch_extensions) after that. Where the machine cannot
+Each `Extension` is one .cpp file here, built with `torch.utils.cpp_extension.load` and loaded
+from torch's cache (~/.cache/torch_extensions) after that. `make install` builds all of them
+(`python -m services.scheduler.native`), so a server starts on built kernels and a compile
+error shows at install; a process that finds one unbuilt builds it on first use (tens of
+seconds). Where the machine cannot
 build it (no compiler, no ninja, or switched off with TOKENLINE_CPU_KERNELS=0) the callers run
 plain torch. A build that should have worked and did not is kept as an error: users still get
 the torch path, and with TOKENLINE_CPU_KERNELS=require (the test suite sets it) it raises.
@@ -104,6 +106,12 @@ class Extension:
 
 
 EXTENSIONS: list[Extension] = []
+HERE = Path(__file__).parent
+# the kernels, each named for its log lines and errors
+DECODE = Extension(HERE / "paged_decode_cpu.cpp", "the CPU decode kernel")
+PREFILL = Extension(HERE / "paged_prefill_cpu.cpp", "the CPU prefill kernel")
+OPS = Extension(HERE / "ops_cpu.cpp", "the CPU fused ops")
+QUANT = Extension(HERE / "quant_cpu.cpp", "the CPU matmul kernels (int8, int4, float32 tiles)")
 
 LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 

@@ -48,7 +48,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "../cpu_vec.h"
+#include "cpu_vec.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>

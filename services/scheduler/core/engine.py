@@ -22,12 +22,12 @@ from common.incremental import IncrementalText
 from common.logging import get_logger
 from common.messages import AbortReq, Finish, KvEvent, LogprobOut, TokenizedReq, TokenOut
 from common.modelstore import gguf_source, model_info, prepare_model
-from services.scheduler.grammar import GrammarCompiler, GrammarError, XGrammarBackend
-from services.scheduler.kv_pool import BlockPool
-from services.scheduler.model_runner import ModelRunner
-from services.scheduler.request import Request
-from services.scheduler.sampler import SampleRow, needs_counts, sample
-from services.scheduler.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from services.scheduler.core.grammar import GrammarCompiler, GrammarError, XGrammarBackend
+from services.scheduler.core.kv_pool import BlockPool
+from services.scheduler.core.request import Request
+from services.scheduler.core.sampler import SampleRow, needs_counts, sample
+from services.scheduler.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from services.scheduler.executor.model_runner import ModelRunner
 
 log = get_logger("engine")
 

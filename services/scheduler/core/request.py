@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from common.incremental import IncrementalText
-    from services.scheduler.grammar import GrammarJob, Matcher
+    from services.scheduler.core.grammar import GrammarJob, Matcher
 
 
 class Status(enum.Enum):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from common.messages import LogprobOut, SamplingParams
-from services.scheduler.models.layers import fused_ops
+from services.scheduler.native.ops import fused_ops
 
 _MIX = 0x9E3779B97F4A7C15
 _MASK = (1 << 63) - 1

@@ -37,7 +37,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "../cpu_vec.h"
+#include "cpu_vec.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
