@@ -221,10 +221,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind, default=default, help=help_text, **meta)
 
 
-def parse_server_args(argv: list[str] | None = None, prog: str | None = None) -> ServerArgs:
+def server_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every service and of `tokenline serve` (its defaults read from
+    `TOKENLINE_<FLAG>` as they stand now)."""
     parser = argparse.ArgumentParser(prog=prog)
     add_server_args(parser)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def parse_server_args(argv: list[str] | None = None, prog: str | None = None) -> ServerArgs:
+    ns = server_parser(prog).parse_args(argv)
     return ServerArgs(**vars(ns))
 
 
