@@ -45,9 +45,10 @@ class ServerArgs:
                        "oneDNN has no bfloat16 there); the start-up log says which",
                        choices=["auto", "float32", "bfloat16", "float16"])
     quantization: str = _flag(
-        "none", "weight-only quantization of every projection and the lm_head: int8 (per "
-        "output channel) or int4 (groups of 32, a GGUF's Q4_0/Q4_1/Q4_K blocks as they are); "
-        "CPU kernels, dequantized on load on CUDA", choices=["none", "int8", "int4"])
+        "none", "weight-only quantization of every projection, in groups of 32: int8 (a "
+        "GGUF's Q8_0 blocks as they are) or int4 (its Q4_0, Q4_1 and Q4_K blocks); the lm_head "
+        "and embedding are int8 in both; CPU kernels, dequantized on load on CUDA",
+        choices=["none", "int8", "int4"])
     attention_backend: str = _flag("auto", "auto, torch or triton",
                                    choices=["auto", "torch", "triton"])
     num_threads: int | None = _flag(None, "torch CPU threads of the model worker")
@@ -220,10 +221,16 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, type=kind, default=default, help=help_text, **meta)
 
 
-def parse_server_args(argv: list[str] | None = None, prog: str | None = None) -> ServerArgs:
+def server_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every service and of `tokenline serve` (its defaults read from
+    `TOKENLINE_<FLAG>` as they stand now)."""
     parser = argparse.ArgumentParser(prog=prog)
     add_server_args(parser)
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def parse_server_args(argv: list[str] | None = None, prog: str | None = None) -> ServerArgs:
+    ns = server_parser(prog).parse_args(argv)
     return ServerArgs(**vars(ns))
 
 
