@@ -123,9 +123,7 @@ def extend_table(extends: list[tuple[int, int]], dtypes: list[torch.dtype],
 
 
 def step_table(dtypes: list[str], rounds: int) -> list[str]:
-    from common.messages import SamplingParams
     from common.modelstore import prepare_model
-    from services.scheduler.core.request import Request
     from services.scheduler.executor.model_runner import ModelRunner
 
     spent = [0.0]
@@ -149,17 +147,8 @@ def step_table(dtypes: list[str], rounds: int) -> list[str]:
             runner = ModelRunner(prepare_model(None), device="cpu", dtype=dtype,
                                  max_total_tokens=8192)
 
-            def requests(contexts: list[int], new: list[int], runner=runner):
-                reqs, block = [], 0
-                for b, (ctx, n) in enumerate(zip(contexts, new, strict=True)):
-                    prompt = [1000 + (7 * i + b) % 30000 for i in range(ctx + n)]
-                    r = Request(f"r{b}", prompt, SamplingParams(temperature=0.0))
-                    r.num_computed = ctx
-                    blocks = -(-(ctx + n) // runner.page_size)
-                    r.block_table = list(range(block, block + blocks))
-                    block += blocks
-                    reqs.append(r)
-                return reqs, new
+            def requests(contexts: list[int], new: list[int], page=runner.page_size):
+                return _requests(page, contexts, new)
 
             steps = {
                 "prefill 2,048": requests([0], [2048]),
@@ -170,29 +159,53 @@ def step_table(dtypes: list[str], rounds: int) -> list[str]:
                 "prompt 6,000 in chunks of 2,048": [requests([c], [n]) for c, n in
                                                     ((0, 2048), (2048, 2048), (4096, 1904))],
             }
-            route = runner.backend.sdpa
             for name, chunks in steps.items():
-                chunks = chunks if isinstance(chunks, list) else [chunks]
-                seen: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
-                for r in range(rounds + 1):
-                    for side, (native, routed) in sides.items():
-                        runner.backend.use_native_prefill = native
-                        runner.backend.sdpa = route if routed else None
-                        spent[0] = 0.0
-                        t = time.perf_counter()
-                        for reqs, new in chunks:
-                            runner.forward(reqs, new, [0])
-                        if r:  # the first round warms up
-                            seen[side].append((time.perf_counter() - t, spent[0]))
-                runner.backend.use_native_prefill, runner.backend.sdpa = True, route
-                med = {k: [statistics.median(x[i] for x in v) * 1e3 for i in (0, 1)]
-                       for k, v in seen.items()}
+                med = _time_sides(runner, sides, chunks, rounds, spent)
                 lines.append(f"| {dtype} | {name} | "
                              + " | ".join(f"{med[k][0]:.0f}" for k in sides) + " | "
                              + " | ".join(f"{med[k][1]:.0f}" for k in sides) + " |")
     finally:
         TorchBackend.forward = forward
     return lines
+
+
+def _requests(page_size: int, contexts: list[int], new: list[int]) -> tuple[list, list[int]]:
+    """One request per (context, new tokens), each `context` tokens already in its own blocks."""
+    from common.messages import SamplingParams
+    from services.scheduler.core.request import Request
+
+    reqs, block = [], 0
+    for b, (ctx, n) in enumerate(zip(contexts, new, strict=True)):
+        prompt = [1000 + (7 * i + b) % 30000 for i in range(ctx + n)]
+        r = Request(f"r{b}", prompt, SamplingParams(temperature=0.0))
+        r.num_computed = ctx
+        blocks = -(-(ctx + n) // page_size)
+        r.block_table = list(range(block, block + blocks))
+        block += blocks
+        reqs.append(r)
+    return reqs, new
+
+
+def _time_sides(runner, sides: dict, chunks, rounds: int,
+                spent: list[float]) -> dict[str, list[float]]:
+    """Median step and attention ms of each side over `rounds` (after one warm-up round), the
+    sides alternating within each round."""
+    chunks = chunks if isinstance(chunks, list) else [chunks]
+    route = runner.backend.sdpa
+    seen: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
+    for r in range(rounds + 1):
+        for side, (native, routed) in sides.items():
+            runner.backend.use_native_prefill = native
+            runner.backend.sdpa = route if routed else None
+            spent[0] = 0.0
+            t = time.perf_counter()
+            for reqs, new in chunks:
+                runner.forward(reqs, new, [0])
+            if r:  # the first round warms up
+                seen[side].append((time.perf_counter() - t, spent[0]))
+    runner.backend.use_native_prefill, runner.backend.sdpa = True, route
+    return {k: [statistics.median(x[i] for x in v) * 1e3 for i in (0, 1)]
+            for k, v in seen.items()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(table, indent=2))
         return
+    print_table(table, args.batches)
+
+
+def print_table(table: dict, batches: list[int]) -> None:
     print(f"threads: {table['threads']}")
     for batch, res in table["batches"].items():
         kernels = list(res["decode_step_ms"])
@@ -248,9 +252,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  fastest: {res['fastest']}")
     if "decode_step_ms" in table:
         print("\nSmolLM2 decode step, ms (quantization/dtype: " + ", ".join(
-            f"batch {b}" for b in args.batches) + ")")
+            f"batch {b}" for b in batches) + ")")
         for name, row in table["decode_step_ms"].items():
-            print(f"  {name:<18}" + "".join(f"{row[b]:>10.2f}" for b in args.batches))
+            print(f"  {name:<18}" + "".join(f"{row[b]:>10.2f}" for b in batches))
 
 
     if "from_memory" in table:

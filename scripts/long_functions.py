@@ -28,14 +28,16 @@ def long_functions(roots: list[str], limit: int) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("roots", nargs="*", default=["services", "common", "tokenline", "bench"])
     parser.add_argument("--limit", type=int, default=50)
     args = parser.parse_args()
-    for n, where in long_functions(args.roots, args.limit):
+    found = long_functions(args.roots, args.limit)
+    for n, where in found:
         print(f"{n:4d}  {where}")
+    return 1 if found else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

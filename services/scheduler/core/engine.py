@@ -71,21 +71,7 @@ class EngineCore:
         )
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, args.page_size, not args.disable_prefix_cache)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_running_requests=args.max_running_requests,
-                chunked_prefill_size=args.chunked_prefill_size,
-                max_prefill_tokens=max(args.max_prefill_tokens, 1),
-                schedule_policy=args.schedule_policy,
-                sjf_max_wait_s=args.sjf_max_wait,
-                retraction_policy=args.retraction_policy,
-                batching=args.batching,
-                batch_wait_ms=args.batch_wait_ms,
-                conservativeness=args.schedule_conservativeness,
-                max_model_len=self.max_model_len,
-            ),
-            self.pool,
-        )
+        self.scheduler = Scheduler(scheduler_config(args, self.max_model_len), self.pool)
         self.eos_ids = set(self.info.eos_token_ids)
         self.grammars = GrammarCompiler(
             XGrammarBackend(self.info.tokenizer_json, self.runner.vocab_size,
@@ -512,3 +498,19 @@ class EngineCore:
             "grammar_backend": self.grammars.backend.name,
             "grammar_compile_timeout": self.args.grammar_compile_timeout,
         }
+
+
+def scheduler_config(args: ServerArgs, max_model_len: int) -> SchedulerConfig:
+    """The scheduler's settings from the server flags."""
+    return SchedulerConfig(
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size,
+        max_prefill_tokens=max(args.max_prefill_tokens, 1),
+        schedule_policy=args.schedule_policy,
+        sjf_max_wait_s=args.sjf_max_wait,
+        retraction_policy=args.retraction_policy,
+        batching=args.batching,
+        batch_wait_ms=args.batch_wait_ms,
+        conservativeness=args.schedule_conservativeness,
+        max_model_len=max_model_len,
+    )

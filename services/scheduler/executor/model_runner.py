@@ -124,6 +124,16 @@ class ModelRunner:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = pick_device(device)
+        self._pick_dtypes(dtype)
+        self.page_size = page_size
+        self.backend = get_backend(attention_backend, self.device)
+        self._load(model_path, max_model_len, quantization, gguf_path)
+        self.num_blocks = self._size_pool(max_total_tokens, mem_fraction_static, cpu_memory_gib)
+        self._allocate_kv()
+
+    def _pick_dtypes(self, dtype: str) -> None:
+        """The activations', attention's and KV cache's dtype, and the projections' (they
+        differ where a CPU lacks bfloat16 attention or bfloat16 matmuls; the log says so)."""
         self.dtype = pick_dtype(dtype, self.device)  # activations, attention, KV cache
         self.linear_dtype = self.dtype  # the projections' weights and matmuls
         if self.dtype == torch.bfloat16 and _cpu_bf16_linears(self.device):
@@ -151,11 +161,6 @@ class ModelRunner:
             log.warning("TOKENLINE_ONEDNN=0: --dtype bfloat16 runs torch's generic bfloat16 "
                         "kernels, several times float32's time per step (a 64-row "
                         "projection: 3.7x on an AVX2 EPYC); --dtype float32 is faster")
-        self.page_size = page_size
-        self.backend = get_backend(attention_backend, self.device)
-        self._load(model_path, max_model_len, quantization, gguf_path)
-        self.num_blocks = self._size_pool(max_total_tokens, mem_fraction_static, cpu_memory_gib)
-        self._allocate_kv()
 
     def _load(self, model_path: Path, max_model_len: int | None, quantization: str,
               gguf_path: Path | None) -> None:
