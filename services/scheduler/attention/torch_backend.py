@@ -27,10 +27,10 @@ With `use_native_prefill` (set the same way), the requests with several new toke
 prompt, a chunk of a long one, the tokens after a cached prefix) go to paged_prefill_cpu.cpp in
 one call per layer: flash-style tiles over the paged cache, the prefix read through the block
 table rather than gathered, the tiles the causal mask hides skipped; 3-5x torch's SDPA at
-128-2,048 tokens (docs/benchmarks.md). Without it they run SDPA: a fresh prompt on its own k, v
-(is_causal), an extend over its gathered blocks with a bool mask. In bfloat16 that is torch's
-flash kernel, which multiplies in bf16 and sums, and takes the softmax, in float32; the C++
-kernel does the same with AVX512-BF16 dot products.
+128-2,048 tokens (docs/benchmarks-history.md, "Prefill and extend attention in C++"). Without
+it they run SDPA: a fresh prompt on its own k, v (is_causal), an extend over its gathered blocks
+with a bool mask. In bfloat16 that is torch's flash kernel, which multiplies in bf16 and sums,
+and takes the softmax, in float32; the C++ kernel does the same with AVX512-BF16 dot products.
 
 A sliding-window layer masks out keys more than `window - 1` positions before each query (the
 C++ kernel starts its walk at the window instead); the cache itself is the same for every layer.
@@ -60,8 +60,8 @@ SDPA_PAD = 16
 @dataclass(frozen=True)
 class SdpaRoute:
     """Which requests with several new tokens go to torch's SDPA instead of our prefill kernel
-    (TorchBackend.sdpa; the model runner sets AMX_BF16 where it pays, docs/benchmarks.md has
-    the grids): fresh prompts of `prompts_from` tokens or more, and extends (new tokens after a
+    (TorchBackend.sdpa; the model runner sets AMX_BF16 where it pays, docs/benchmarks-history.md
+    has the grids): fresh prompts of `prompts_from` tokens or more, and extends (new tokens after a
     cached prefix: a chunked prompt's next chunk, a prefix-cache hit) of `extend_min_new` new
     tokens or more that attend to `extend_pairs` (query, key) pairs or more under the causal
     mask (None: extends stay in the kernel)."""
@@ -338,9 +338,10 @@ def _fresh_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 
     torch's bfloat16 flash kernel on CPU is 1.3-3x slower at lengths that are not a multiple of
     SDPA_PAD than at the next multiple (AMX, 2 cores, SmolLM2's heads: 446 tokens 6.3 ms, padded
-    to 448 1.9 ms; docs/benchmarks.md), so such prompts are padded with zero rows at the end.
-    Under a causal mask no real query sees a padded key, and every padded query sees at least
-    itself, so the real rows come out as they would unpadded. float32 gains nothing from it."""
+    to 448 1.9 ms; docs/benchmarks-history.md), so such prompts are padded with zero rows at the
+    end. Under a causal mask no real query sees a padded key, and every padded query sees at
+    least itself, so the real rows come out as they would unpadded. float32 gains nothing from
+    it."""
     n = q.shape[0]
     m = n
     if q.dtype == torch.bfloat16 and q.device.type == "cpu" and n % SDPA_PAD:
