@@ -120,7 +120,8 @@ class ServerArgs:
     otlp_traces_endpoint: str | None = _flag(None, "OTLP traces endpoint (http(s):// or grpc://)")
     otlp_traces_protocol: str = _flag("http/protobuf", "http/protobuf or grpc",
                                       choices=["http/protobuf", "grpc"])
-    log_level: str = _flag("info", "debug, info, warning, error")
+    log_level: str = _flag("info", "debug, info, warning or error",
+                           choices=["debug", "info", "warning", "error"])
     stats_interval: float = _flag(1.0, "seconds between heartbeats")
     log_stats_interval: float = _flag(5.0, "seconds between the scheduler's stats log lines")
     health_file: str | None = _flag(None, "touch this file after each heartbeat sent "

@@ -19,6 +19,8 @@ from tests.helpers import REPO
     ([], {"TOKENLINE_PAGE_SIZE": "big"}, "TOKENLINE_PAGE_SIZE='big': expected an int"),
     ([], {"TOKENLINE_BATCHING": "eager"}, "TOKENLINE_BATCHING='eager': choose from continuous"),
     ([], {"TOKENLINE_DEVICE": "cuda:x"}, "TOKENLINE_DEVICE='cuda:x': 'cuda:x' is not auto"),
+    (["--log-level", "verbose"], {}, "argument --log-level: invalid choice: 'verbose'"),
+    ([], {"TOKENLINE_LOG_LEVEL": "trace"}, "TOKENLINE_LOG_LEVEL='trace': choose from debug"),
 ])
 def test_bad_flags_and_environment_are_usage_errors(argv, env, message, monkeypatch, capsys):
     for name, value in env.items():
