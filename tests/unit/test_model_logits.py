@@ -57,10 +57,13 @@ def test_tiny_llama_logits_match_transformers(tiny_model_dir, chunk):
 
 @pytest.mark.parametrize("tiles", ["1", "0"])
 def test_smollm2_logits_match_transformers(smol_path, monkeypatch, tiles):
-    """As close to the float64 logits as transformers' own float32 is, with the projections
-    from our float32 tiles (where this CPU runs them) and from oneDNN. A fixed bound is not:
-    on an AVX2 EPYC both are 9e-5 from float64 (logits up to 40), so 1e-4 between them failed
-    by rounding alone."""
+    """Within twice transformers' own float32 distance from the float64 logits, with the
+    projections from our float32 tiles (where this CPU runs them) and from oneDNN. A fixed
+    bound is not: on an AVX2 EPYC both are 9e-5 from float64 (logits up to 40), so 1e-4
+    between them failed by rounding alone. Twice, not as close: the tiles sum each output's K
+    products in one running float32 lane, where MKL's blocked sums round less; on an AMX Xeon
+    VM the tiles were 1.14e-4 from float64 (RMS 2.2e-5), oneDNN 8.0e-5, transformers 6.9e-5
+    (RMS 1.1e-5), so the earlier 1.5x failed there by rounding alone."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("TOKENLINE_FLOAT32_TILES", tiles)
@@ -74,7 +77,7 @@ def test_smollm2_logits_match_transformers(smol_path, monkeypatch, tiles):
     their_err = (theirs - exact).abs().max().item()
     our_err = (ours.double() - exact).abs().max().item()
     assert their_err < 1e-3  # float32's rounding over 30 layers, not a broken reference
-    assert our_err <= 1.5 * their_err, (our_err, their_err)
+    assert our_err <= 2 * their_err, (our_err, their_err)
 
 
 def _missing_bf16_feature() -> str | None:
