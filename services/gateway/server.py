@@ -241,6 +241,7 @@ class GatewayService(Service):
         if self.info.chat_template is None:  # a base model (e.g. the Gemma 3 270M GGUF)
             raise APIError("this model has no chat template: use /v1/completions or /generate, "
                            "or start the server with --chat-template FILE", "messages")
+        req.check_unused(self.info.chat_template)
         prompt = req.prompt()
         params = req.to_params(self.info.vocab_size, self.args.max_stop_strings)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -377,7 +378,7 @@ class GatewayService(Service):
                     continue
                 if not resp.prepared:
                     await resp.prepare(request)
-                await resp.write(_sse(chunk))
+                await resp.write(_sse(renderer.with_usage(chunk, subs)))
             if not resp.prepared:
                 await resp.prepare(request)
             for chunk in renderer.tail(subs):

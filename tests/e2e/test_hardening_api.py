@@ -129,8 +129,8 @@ BAD = {
                                  "guided_json", ["structured_outputs.json"]),
     "OpenAI's older functions": (CHAT, {"messages": HI, "functions": []}, 400, "functions",
                                  ["tools"]),
-    "an OpenAI field we lack": (CHAT, {"messages": HI, "service_tier": "auto"}, 400,
-                                "service_tier", []),
+    "an OpenAI field we lack": (CHAT, {"messages": HI, "audio": {"voice": "alloy"}}, 400,
+                                "audio", []),
     "unknown field in stream_options": (CHAT, {"messages": HI, "stream": True, "stream_options":
                                                {"include_usage": True, "x": 1}}, 400,
                                         "stream_options.x", []),
