@@ -16,7 +16,7 @@ import msgspec
 import numpy as np
 from msgspec import Meta
 
-from common.messages import GenerateReq, SamplingParams, StructuredOutputs
+from common.messages import GenerateReq, SamplingParams, StructuredOutputs, TokenizeReq
 from services.gateway.constraints import (
     APIFieldError,
     ResponseFormat,
@@ -176,13 +176,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
     def prompt(self) -> dict:
         """Refuse here what could not even reach the tokenizer (it checks roles and content)."""
-        _check(bool(self.messages), "messages must not be empty", "messages")
-        for i, m in enumerate(self.messages):
-            _check(isinstance(m, dict), f"messages[{i}] must be an object", f"messages[{i}]")
-        try:
-            msgspec.msgpack.encode(self.messages)
-        except (OverflowError, TypeError) as exc:  # e.g. an integer beyond 64 bits
-            raise APIError(f"messages cannot be sent on: {exc}", "messages") from None
+        check_messages(self.messages)
         _, _, tools = self.tool_plan()
         return {"messages": self.messages, "add_generation_prompt": self.add_generation_prompt,
                 "tools": tools}
@@ -309,6 +303,71 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         except APIError as exc:
             exc.param = f"sampling_params.{exc.param}" if exc.param else exc.param
             raise
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's /tokenize: a `prompt` (encoded as /v1/completions encodes one) or `messages`
+    (rendered as /v1/chat/completions renders them), exactly one."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    return_token_strs: bool | None = False
+    # messages only
+    add_generation_prompt: bool | None = None  # default true
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_msg(self) -> TokenizeReq:
+        _check((self.prompt is None) != (self.messages is None),
+               "give exactly one of `prompt` or `messages`", "prompt")
+        if self.prompt is not None:
+            self.check_fields()
+            return TokenizeReq(text=self.prompt, add_special_tokens=self.add_special_tokens
+                               is not False, return_token_strs=bool(self.return_token_strs))
+        check_messages(self.messages)
+        _check(not self.continue_final_message, "continue_final_message is not supported "
+               "(neither is it on /v1/chat/completions)", "continue_final_message")
+        _check(not self.chat_template_kwargs, "chat_template_kwargs is not supported (neither "
+               "is it on /v1/chat/completions)", "chat_template_kwargs")
+        _, _, tools = _field_errors(chat_plan, self.tools, None, True, None, None)
+        return TokenizeReq(messages=self.messages, tools=tools,
+                           add_generation_prompt=self.add_generation_prompt is not False,
+                           add_special_tokens=bool(self.add_special_tokens),
+                           return_token_strs=bool(self.return_token_strs))
+
+    def check_fields(self) -> None:
+        """A prompt's request: a field of the messages' shape is refused by name, not ignored."""
+        for name in ("add_generation_prompt", "tools", "chat_template_kwargs"):
+            _check(getattr(self, name) is None, f"{name} applies to `messages` only", name)
+        _check(not self.continue_final_message, "continue_final_message applies to "
+               "`messages` only", "continue_final_message")
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's /detokenize: token ids back to text, special tokens kept."""
+
+    model: str | None = None
+    tokens: list[NonNeg]
+
+    def ids(self, vocab_size: int) -> list[int]:
+        for t in self.tokens:
+            _check(t < vocab_size, f"token id {t} is outside the vocabulary [0, {vocab_size})",
+                   "tokens")
+        return self.tokens
+
+
+def check_messages(messages: list[Any]) -> None:
+    """What could not even reach the tokenizer (it checks roles and content)."""
+    _check(bool(messages), "messages must not be empty", "messages")
+    for i, m in enumerate(messages):
+        _check(isinstance(m, dict), f"messages[{i}] must be an object", f"messages[{i}]")
+    try:
+        msgspec.msgpack.encode(messages)
+    except (OverflowError, TypeError) as exc:  # e.g. an integer beyond 64 bits
+        raise APIError(f"messages cannot be sent on: {exc}", "messages") from None
 
 
 def abort_target(body: bytes) -> str | None:

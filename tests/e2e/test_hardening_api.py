@@ -298,11 +298,13 @@ def test_openapi_describes_every_route(stack):
     doc = requests.get(stack.url + "/openapi.json", timeout=10).json()
     assert doc["openapi"].startswith("3.1")
     paths = doc["paths"]
-    for path in (CHAT, CMPL, GEN, "/v1/models", "/health", "/metrics", "/flush_cache",
-                 "/abort_request", "/get_server_info", "/openapi.json"):
+    for path in (CHAT, CMPL, GEN, "/tokenize", "/detokenize", "/v1/models", "/health",
+                 "/metrics", "/flush_cache", "/abort_request", "/get_server_info",
+                 "/openapi.json"):
         assert path in paths, path
     for path, body in ((CHAT, "ChatCompletionRequest"), (CMPL, "CompletionRequest"),
-                       (GEN, "GenerateRequest")):
+                       (GEN, "GenerateRequest"), ("/tokenize", "TokenizeRequest"),
+                       ("/detokenize", "DetokenizeRequest")):
         schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert schema["$ref"].endswith("/" + body)
         assert "400" in paths[path]["post"]["responses"]
