@@ -169,9 +169,11 @@ class Bus:
         await self.nc.flush()  # the server knows the subscription before anyone relies on it
 
     async def subscribe_requests(
-        self, subject: str, handler: Callable[[messages.Message], Awaitable[messages.Message]]
+        self, subject: str, handler: Callable[[messages.Message], Awaitable[messages.Message]],
+        queue: str = "",
     ) -> None:
-        """Request/reply: the handler's return value goes back to the asker."""
+        """Request/reply: the handler's return value goes back to the asker (with `queue`, one
+        member of the queue group answers each request)."""
         assert self.nc is not None
 
         async def on_msg(raw: Msg) -> None:
@@ -181,7 +183,8 @@ class Bus:
             except Exception:  # noqa: BLE001
                 log.exception("request handler failed", subject=raw.subject)
 
-        await self.nc.subscribe(subject, cb=on_msg)
+        await self.nc.subscribe(subject, queue=queue, cb=on_msg)
+        await self.nc.flush()  # the server knows the subscription before anyone relies on it
 
     async def gather(
         self, subject: str, msg: messages.Message, expect: int, timeout: float

@@ -107,6 +107,26 @@ class TokenizedReq(msgspec.Struct, tag=True, omit_defaults=True):
     predicted_cached_tokens: int | None = None
 
 
+class TokenizeReq(msgspec.Struct, tag=True, omit_defaults=True):
+    """gateway -> any tokenizer (request/reply): a prompt's token ids, for /tokenize. `text` is
+    encoded as /v1/completions encodes a prompt, `messages` rendered as /v1/chat/completions
+    renders them (the same code), so the ids are those a request would be scheduled with."""
+
+    text: str | None = None
+    messages: list[dict] | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict] | None = None
+    add_special_tokens: bool = True  # on top of what the chat template writes itself
+    return_token_strs: bool = False
+
+
+class TokenizeOut(msgspec.Struct, tag=True, omit_defaults=True):
+    """tokenizer -> gateway: the ids (an error comes back as ErrorOut instead)."""
+
+    input_ids: list[int]
+    token_strs: list[str] | None = None  # the vocabulary's pieces, as asked
+
+
 class LogprobOut(msgspec.Struct, array_like=True):
     token_id: int
     logprob: float
@@ -305,6 +325,8 @@ class StatsOut(msgspec.Struct, tag=True, omit_defaults=True):
 Message = (
     GenerateReq
     | TokenizedReq
+    | TokenizeReq
+    | TokenizeOut
     | BatchTokenOut
     | BatchTextOut
     | AcceptedOut

@@ -17,6 +17,11 @@ class Subjects:
         return f"{self.prefix}.tokenizer"
 
     @property
+    def tokenize(self) -> str:
+        """Any tokenizer (queue group, request/reply): token ids for /tokenize."""
+        return f"{self.prefix}.tokenize"
+
+    @property
     def scheduler(self) -> str:
         """Any scheduler (queue group): where new requests go."""
         return f"{self.prefix}.scheduler"

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats.errors
 
 from common import tracing
 from common.bus import Bus
 from common.logging import get_logger, request_logger
-from common.messages import AbortReq, ErrorOut, GenerateReq, StatsOut
+from common.messages import AbortReq, ErrorOut, GenerateReq, StatsOut, TokenizeOut, TokenizeReq
 from common.peers import PeerTable
 from common.subjects import Subjects
 from services.gateway.protocol import APIError
@@ -25,6 +26,7 @@ from services.gateway.tracker import SubRequest, Tracker
 
 log = get_logger("gateway")
 
+T = TypeVar("T")
 TOKENIZER_WAIT_S = 1.0  # a request waits this long for a tokenizer (one restarting) before 503
 
 
@@ -43,21 +45,34 @@ class Failover:
 
         Plain NATS would drop it without a word while no tokenizer listens (the only one is
         restarting); here that is a 503 after a short wait instead of a hang."""
+        receipt = await self._to_tokenizer(lambda: self.bus.publish_acked(
+            self.subjects.tokenizer, msg, headers, timeout=self.timeout),
+            "the request could not be handed to a tokenizer")
+        return receipt.instance_id
+
+    async def tokenize(self, msg: TokenizeReq) -> TokenizeOut:
+        """/tokenize's question to any tokenizer (request/reply), with `submit`'s wait."""
+        reply = await self._to_tokenizer(lambda: self.bus.request(
+            self.subjects.tokenize, msg, timeout=self.timeout), "no tokenizer answered")
+        if isinstance(reply, ErrorOut):
+            raise APIError(reply.message, reply.param, reply.status, reply.err_type, reply.code)
+        assert isinstance(reply, TokenizeOut), reply
+        return reply
+
+    async def _to_tokenizer(self, send: Callable[[], Awaitable[T]], failed: str) -> T:
+        """`send()`, again while no tokenizer listens, for up to TOKENIZER_WAIT_S; then a 503."""
         deadline = time.monotonic() + TOKENIZER_WAIT_S
         while True:
             try:
-                receipt = await self.bus.publish_acked(self.subjects.tokenizer, msg, headers,
-                                                       timeout=self.timeout)
-                return receipt.instance_id
+                return await send()
             except nats.errors.NoRespondersError:
                 if time.monotonic() >= deadline:
                     raise APIError("no tokenizer is available; retry shortly", None, 503,
                                    "service_unavailable", "no_tokenizer") from None
                 await asyncio.sleep(0.1)
             except nats.errors.Error as exc:  # timeout, or NATS itself is unreachable
-                raise APIError(f"the request could not be handed to a tokenizer ({exc}); "
-                               "retry shortly", None, 503, "service_unavailable",
-                               "tokenizer_unreachable") from None
+                raise APIError(f"{failed} ({exc}); retry shortly", None, 503,
+                               "service_unavailable", "tokenizer_unreachable") from None
 
     # -- scheduler ------------------------------------------------------------------------------
     async def scheduler_gone(self, scheduler_id: str) -> bool:

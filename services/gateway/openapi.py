@@ -16,7 +16,9 @@ from services.gateway.protocol import (
     MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
+    TokenizeRequest,
 )
 
 REF = "#/components/schemas/{name}"
@@ -99,6 +101,27 @@ ABORT_REQUEST = {
 
 OBJECT = {"type": "object"}
 
+TOKENIZE_RESPONSE = {
+    "title": "TokenizeResponse",
+    "type": "object",
+    "required": ["count", "max_model_len", "tokens", "token_strs"],
+    "properties": {
+        "count": {"type": "integer"},
+        "max_model_len": {"type": "integer"},
+        "tokens": {"type": "array", "items": {"type": "integer"}},
+        "token_strs": {"description": "each id's vocabulary piece, with return_token_strs",
+                       "anyOf": [{"type": "array", "items": {"type": "string"}},
+                                 {"type": "null"}]},
+    },
+}
+
+DETOKENIZE_RESPONSE = {
+    "title": "DetokenizeResponse",
+    "type": "object",
+    "required": ["prompt"],
+    "properties": {"prompt": {"type": "string"}},
+}
+
 
 def _json(schema: dict, description: str = "OK") -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
@@ -130,24 +153,47 @@ def _generation(body: str, summary: str) -> dict:
     }}
 
 
+def _post(body: str, summary: str, answer: str, errors: tuple[int, ...]) -> dict:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True,
+                        "content": {"application/json": {"schema": _ref(body)}}},
+        "responses": {"200": _json(_ref(answer)), **_errors(*errors)},
+    }}
+
+
 def _get(summary: str, schema: dict | None = None, content_type: str = "application/json",
          errors: tuple[int, ...] = (401,)) -> dict:
     ok = {"description": "OK", "content": {content_type: {"schema": schema or OBJECT}}}
     return {"summary": summary, "responses": {"200": ok, **_errors(*errors)}}
 
 
-def spec(model_name: str, api_key: bool = False) -> dict[str, Any]:
+def _schemas() -> dict[str, Any]:
+    """The request bodies as msgspec writes them, where they are loose on purpose made exact,
+    and the answers'."""
     _, schemas = msgspec.json.schema_components(
-        [ChatCompletionRequest, CompletionRequest, GenerateRequest], ref_template=REF)
-    schemas["ChatCompletionRequest"]["properties"]["messages"] = {
-        "type": "array", "minItems": 1, "items": _ref("ChatMessage")}
+        [ChatCompletionRequest, CompletionRequest, GenerateRequest, TokenizeRequest,
+         DetokenizeRequest], ref_template=REF)
+    messages = {"type": "array", "minItems": 1, "items": _ref("ChatMessage")}
+    schemas["ChatCompletionRequest"]["properties"]["messages"] = messages
+    schemas["TokenizeRequest"]["properties"]["messages"] = messages
+    schemas["TokenizeRequest"]["oneOf"] = [  # exactly one of them
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+        {"required": ["messages"], "properties": {"messages": messages}},
+    ]
     schemas["CompletionRequest"]["properties"]["prompt"] = PROMPT
     schemas["GenerateRequest"]["oneOf"] = [  # exactly one of them
         {"required": ["text"], "properties": {"text": TEXT}},
         {"required": ["input_ids"], "properties": {"input_ids": TOKEN_IDS}},
     ]
     schemas.update(ChatMessage=CHAT_MESSAGE, AbortRequest=ABORT_REQUEST,
-                   ErrorResponse=ERROR_RESPONSE)
+                   ErrorResponse=ERROR_RESPONSE, TokenizeResponse=TOKENIZE_RESPONSE,
+                   DetokenizeResponse=DETOKENIZE_RESPONSE)
+    return schemas
+
+
+def spec(model_name: str, api_key: bool = False) -> dict[str, Any]:
+    schemas = _schemas()
     flush = _get("drop the prefix cache (refused while requests run)", errors=(400, 401, 503))
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
@@ -157,6 +203,11 @@ def spec(model_name: str, api_key: bool = False) -> dict[str, Any]:
             "/v1/chat/completions": _generation("ChatCompletionRequest", "chat completion"),
             "/v1/completions": _generation("CompletionRequest", "text completion"),
             "/generate": _generation("GenerateRequest", "SGLang-style native generation"),
+            "/tokenize": _post("TokenizeRequest", "vLLM's: the token ids of a prompt, or of "
+                               "messages as a chat completion renders them", "TokenizeResponse",
+                               (400, 401, 404, 413, 503)),
+            "/detokenize": _post("DetokenizeRequest", "vLLM's: token ids back to text",
+                                 "DetokenizeResponse", (400, 401, 404, 413)),
             "/v1/models": {"get": _get("the served model")},
             "/health": {"get": {**_get("ready when every stage has a live instance",
                                        errors=(503,)), "security": []}},

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import re
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import numpy as np
 from msgspec import Meta
 
-from common.messages import GenerateReq, SamplingParams, StructuredOutputs
+from common.messages import GenerateReq, SamplingParams, StructuredOutputs, TokenizeReq
 from services.gateway.constraints import (
     APIFieldError,
     ResponseFormat,
@@ -53,6 +53,15 @@ RepetitionPenalty = Annotated[float, Meta(gt=0, le=10)]
 Bias = Annotated[float, Meta(ge=-100, le=100)]
 CacheSalt = Annotated[str, Meta(min_length=1, max_length=MAX_CACHE_SALT_CHARS, description=(
     "prefix-cache isolation: only requests with the same salt share cached blocks"))]
+# OpenAI's fields that change nothing here, accepted at the shapes and limits OpenAI sets
+Metadata = Annotated[
+    dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
+    Meta(max_length=16, description="kept by nobody here: at most 16 keys of at most 64 "
+                                    "characters, values of at most 512")]
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# a chat template that reads any of these runs a model that reasons
+REASONING_MARKS = ("reasoning_effort", "enable_thinking", "<think>")
 
 
 class APIError(Exception):
@@ -88,8 +97,21 @@ def error_body(message: str, err_type: str, param: str | None = None,
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: bool = False  # a last chunk with the usage and no choices
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far on every chunk too
+
+
+class TextPart(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's predicted output: a hint for speed that never changes the reply, so accepted
+    (its shape checked) and not used; vLLM drops it, as it drops any field it does not know."""
+
+    type: Literal["content"]
+    content: str | list[TextPart]
 
 
 class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -122,6 +144,14 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
 
+    def check_stream_options(self) -> None:
+        """Unstreamed, stream_options change nothing (the body carries the usage anyway); vLLM
+        refuses them there, and silently drops continuous_usage_stats without include_usage."""
+        opts = self.stream_options
+        _check(opts is None or opts.include_usage or not opts.continuous_usage_stats,
+               "stream_options.continuous_usage_stats needs stream_options.include_usage: true",
+               "stream_options.continuous_usage_stats")
+
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[Any]
@@ -131,7 +161,13 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool = True  # false: at most one call (constraints.ToolPlan.parallel)
+    # OpenAI's that change nothing here (docs/design.md, "Interfaces users see")
+    metadata: Metadata | None = None
+    store: bool | None = None  # only false: we keep no responses
+    service_tier: ServiceTier | None = None  # one tier here
+    prediction: Prediction | None = None
+    reasoning_effort: ReasoningEffort | None = None  # only for a model that does not reason
 
     def tool_plan(self) -> tuple[StructuredOutputs | None, ToolPlan | None, list[dict] | None]:
         """The output constraint, what to do with tools, and the tools for the prompt."""
@@ -140,20 +176,25 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
     def prompt(self) -> dict:
         """Refuse here what could not even reach the tokenizer (it checks roles and content)."""
-        _check(bool(self.messages), "messages must not be empty", "messages")
-        for i, m in enumerate(self.messages):
-            _check(isinstance(m, dict), f"messages[{i}] must be an object", f"messages[{i}]")
-        try:
-            msgspec.msgpack.encode(self.messages)
-        except (OverflowError, TypeError) as exc:  # e.g. an integer beyond 64 bits
-            raise APIError(f"messages cannot be sent on: {exc}", "messages") from None
+        check_messages(self.messages)
         _, _, tools = self.tool_plan()
         return {"messages": self.messages, "add_generation_prompt": self.add_generation_prompt,
                 "tools": tools}
 
+    def check_unused(self, chat_template: str | None) -> None:
+        """The OpenAI fields accepted because they change nothing here: refused where they
+        would (a stored response, a reasoning model's effort)."""
+        _check(not self.store, "store: true is not supported: this server keeps no responses",
+               "store")
+        reasons = any(mark in (chat_template or "") for mark in REASONING_MARKS)
+        _check(self.reasoning_effort is None or not reasons, "reasoning_effort is not "
+               "supported: this model's chat template reasons, and its effort is not passed "
+               "on", "reasoning_effort")
+
     def to_params(self, vocab_size: int, max_stops: int) -> SamplingParams:
         _check(not self.top_logprobs or self.logprobs, "top_logprobs needs logprobs: true",
                "top_logprobs")
+        self.check_stream_options()
         newer = self.max_completion_tokens is not None  # OpenAI's new name wins
         constraint, _, _ = self.tool_plan()
         return _sampling_params(
@@ -196,6 +237,7 @@ class CompletionRequest(_Sampling, kw_only=True):
         _check(self.best_of is None or self.best_of == self.n,
                "best_of other than n is not supported", "best_of")
         _check(not self.suffix, "suffix is not supported", "suffix")
+        self.check_stream_options()
         constraint = _field_errors(completion_constraint, self.response_format,
                                    self.structured_outputs)
         return _sampling_params(
@@ -263,6 +305,71 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise
 
 
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's /tokenize: a `prompt` (encoded as /v1/completions encodes one) or `messages`
+    (rendered as /v1/chat/completions renders them), exactly one."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages
+    return_token_strs: bool | None = False
+    # messages only
+    add_generation_prompt: bool | None = None  # default true
+    continue_final_message: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_msg(self) -> TokenizeReq:
+        _check((self.prompt is None) != (self.messages is None),
+               "give exactly one of `prompt` or `messages`", "prompt")
+        if self.prompt is not None:
+            self.check_fields()
+            return TokenizeReq(text=self.prompt, add_special_tokens=self.add_special_tokens
+                               is not False, return_token_strs=bool(self.return_token_strs))
+        check_messages(self.messages)
+        _check(not self.continue_final_message, "continue_final_message is not supported "
+               "(neither is it on /v1/chat/completions)", "continue_final_message")
+        _check(not self.chat_template_kwargs, "chat_template_kwargs is not supported (neither "
+               "is it on /v1/chat/completions)", "chat_template_kwargs")
+        _, _, tools = _field_errors(chat_plan, self.tools, None, True, None, None)
+        return TokenizeReq(messages=self.messages, tools=tools,
+                           add_generation_prompt=self.add_generation_prompt is not False,
+                           add_special_tokens=bool(self.add_special_tokens),
+                           return_token_strs=bool(self.return_token_strs))
+
+    def check_fields(self) -> None:
+        """A prompt's request: a field of the messages' shape is refused by name, not ignored."""
+        for name in ("add_generation_prompt", "tools", "chat_template_kwargs"):
+            _check(getattr(self, name) is None, f"{name} applies to `messages` only", name)
+        _check(not self.continue_final_message, "continue_final_message applies to "
+               "`messages` only", "continue_final_message")
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's /detokenize: token ids back to text, special tokens kept."""
+
+    model: str | None = None
+    tokens: list[NonNeg]
+
+    def ids(self, vocab_size: int) -> list[int]:
+        for t in self.tokens:
+            _check(t < vocab_size, f"token id {t} is outside the vocabulary [0, {vocab_size})",
+                   "tokens")
+        return self.tokens
+
+
+def check_messages(messages: list[Any]) -> None:
+    """What could not even reach the tokenizer (it checks roles and content)."""
+    _check(bool(messages), "messages must not be empty", "messages")
+    for i, m in enumerate(messages):
+        _check(isinstance(m, dict), f"messages[{i}] must be an object", f"messages[{i}]")
+    try:
+        msgspec.msgpack.encode(messages)
+    except (OverflowError, TypeError) as exc:  # e.g. an integer beyond 64 bits
+        raise APIError(f"messages cannot be sent on: {exc}", "messages") from None
+
+
 def abort_target(body: bytes) -> str | None:
     """/abort_request's body: the rid to abort, or None for `abort_all: true`."""
     try:
@@ -306,6 +413,7 @@ def sequences(rid: str, gateway_id: str, prompts: list[dict], params: SamplingPa
 
 
 _PATH = re.compile(r"at `\$\.?([^`]*)`")
+_KEY_PATH = re.compile(r"at `key` in `\$\.?([^`]*)`")  # a bad key of an object, e.g. metadata
 _UNKNOWN = re.compile(r"Object contains unknown field `([^`]*)`")
 # what clients written for vLLM or older OpenAI APIs send, and the field that does it here
 _RENAMED = {
@@ -357,7 +465,7 @@ def decode_body(body: bytes, kind: type) -> Any:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        text = str(exc)
+        text = _KEY_PATH.sub(lambda k: f"(a key) at `$.{k.group(1)}`", str(exc))
         m = _PATH.search(text)
         param = (m.group(1) or None) if m else None  # `$` itself: the body as a whole
         unknown = _UNKNOWN.match(text)

@@ -69,12 +69,18 @@ class Renderer:
     def tail(self, subs: list[SubRequest]) -> list[dict]:
         return []
 
+    def with_usage(self, chunk: dict, subs: list[SubRequest]) -> dict:
+        """A streamed chunk as sent (the usage so far added, where asked)."""
+        return chunk
+
     def token_str(self, tid: int) -> str:
         return self.decode([tid])
 
 
 class _OpenAI(Renderer):
-    """Chat and completions: one body shape, `stream_options.include_usage` at the end."""
+    """Chat and completions: one body shape, `stream_options.include_usage` at the end (and
+    with `continuous_usage_stats` on every chunk: the whole request's usage so far, which for
+    n = 1 is vLLM's per-choice count)."""
 
     obj = ""
     chunk_obj = ""
@@ -82,7 +88,9 @@ class _OpenAI(Renderer):
     def __init__(self, rid: str, model: str, decode: Decode,
                  req: ChatCompletionRequest | CompletionRequest) -> None:
         super().__init__(rid, model, decode)
-        self.include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        opts = req.stream_options
+        self.include_usage = bool(opts and opts.include_usage)
+        self.continuous_usage = bool(opts and opts.include_usage and opts.continuous_usage_stats)
 
     def body(self, choices: list, usage: dict | None = None, obj: str | None = None) -> dict:
         d = {"id": self.rid, "object": obj or self.chunk_obj, "created": self.created,
@@ -93,6 +101,11 @@ class _OpenAI(Renderer):
 
     def tail(self, subs: list[SubRequest]) -> list[dict]:
         return [self.body([], usage(subs))] if self.include_usage else []
+
+    def with_usage(self, chunk: dict, subs: list[SubRequest]) -> dict:
+        if self.continuous_usage:
+            chunk["usage"] = usage(subs)
+        return chunk
 
 
 class ChatRenderer(_OpenAI):

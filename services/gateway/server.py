@@ -39,7 +39,9 @@ from services.gateway.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     GenerateRequest,
+    TokenizeRequest,
     abort_target,
     check_model,
     decode_body,
@@ -139,6 +141,8 @@ class GatewayService(Service):
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/generate", self.generate)
+        app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
         app.router.add_post("/abort_request", self.abort_request)
         app.router.add_post("/flush_cache", self.flush_cache)
         app.router.add_get("/flush_cache", self.flush_cache)
@@ -234,6 +238,25 @@ class GatewayService(Service):
         return _json({"success": True, "message": "Cache flushed.",
                       "schedulers": [r.scheduler_id for r in replies]})
 
+    # -- the tokenizer's routes (vLLM's) --------------------------------------------------------
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """The ids a request with this prompt or these messages would be scheduled with: the
+        tokenizer service encodes them, through the code a generation request passes."""
+        req = await self._body(request, TokenizeRequest)
+        check_model(req.model, self.model_name)
+        msg = req.to_msg()
+        if msg.messages is not None and self.info.chat_template is None:
+            raise APIError("this model has no chat template: tokenize a `prompt`, or start the "
+                           "server with --chat-template FILE", "messages")
+        out = await self.failover.tokenize(msg)
+        return _json({"count": len(out.input_ids), "max_model_len": self.max_model_len,
+                      "tokens": out.input_ids, "token_strs": out.token_strs})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        req = await self._body(request, DetokenizeRequest)
+        check_model(req.model, self.model_name)
+        return _json({"prompt": self.decode(req.ids(self.info.vocab_size))})
+
     # -- generation routes ----------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._body(request, ChatCompletionRequest)
@@ -241,6 +264,7 @@ class GatewayService(Service):
         if self.info.chat_template is None:  # a base model (e.g. the Gemma 3 270M GGUF)
             raise APIError("this model has no chat template: use /v1/completions or /generate, "
                            "or start the server with --chat-template FILE", "messages")
+        req.check_unused(self.info.chat_template)
         prompt = req.prompt()
         params = req.to_params(self.info.vocab_size, self.args.max_stop_strings)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -377,7 +401,7 @@ class GatewayService(Service):
                     continue
                 if not resp.prepared:
                     await resp.prepare(request)
-                await resp.write(_sse(chunk))
+                await resp.write(_sse(renderer.with_usage(chunk, subs)))
             if not resp.prepared:
                 await resp.prepare(request)
             for chunk in renderer.tail(subs):

@@ -25,6 +25,8 @@ from common.messages import (
     Message,
     StatsOut,
     TokenizedReq,
+    TokenizeOut,
+    TokenizeReq,
 )
 from common.modelstore import model_info, prepare_model
 from common.peers import silence_rounds
@@ -65,6 +67,8 @@ class TokenizerService(Service):
         await self.bus.subscribe(self.subjects.tokenizer, self.on_request, queue=TOKENIZER_QUEUE,
                                  ordered=False)
         await self.bus.subscribe(self.subjects.abort, self.on_abort)
+        await self.bus.subscribe_requests(self.subjects.tokenize, self.on_tokenize,
+                                          queue=TOKENIZER_QUEUE)
 
     def stats(self) -> StatsOut:
         s = super().stats()
@@ -110,6 +114,27 @@ class TokenizerService(Service):
             now = time.monotonic()
             self.aborted[msg.rid] = now + ABORT_MEMORY_S
             self.aborted = {r: t for r, t in self.aborted.items() if t > now}
+
+    async def on_tokenize(self, msg: Message) -> Message:
+        """/tokenize: the ids a request with this prompt would be scheduled with."""
+        if not isinstance(msg, TokenizeReq):
+            return ErrorOut(rid="tokenize", message=f"not a TokenizeReq: {type(msg).__name__}",
+                            status=500, err_type="server_error")
+        try:
+            if msg.messages is not None:
+                ids = self.tok.encode_chat(msg.messages, msg.add_generation_prompt, msg.tools,
+                                           self.args.tool_call_parser, msg.add_special_tokens)
+            else:
+                ids = self.tok.encode(msg.text or "", msg.add_special_tokens)
+        except InputError as exc:
+            return ErrorOut(rid="tokenize", message=str(exc), status=exc.status,
+                            param=exc.param)
+        except Exception as exc:  # noqa: BLE001 - a bug here is a 500, never a silent timeout
+            log.exception("tokenize failed")
+            return ErrorOut(rid="tokenize", message=f"tokenization failed: {exc}", status=500,
+                            err_type="server_error")
+        return TokenizeOut(input_ids=ids,
+                           token_strs=self.tok.token_strs(ids) if msg.return_token_strs else None)
 
     async def on_request(self, msg: Message, headers: dict[str, str]) -> None:
         if not isinstance(msg, GenerateReq):

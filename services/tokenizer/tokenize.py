@@ -63,8 +63,8 @@ class TextTokenizer:
         self.template_tools = "tools" in source
         self.template_tool_calls = "tool_calls" in source
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, tool_format: str = "xlam") -> str:
@@ -127,7 +127,13 @@ class TextTokenizer:
             "content": f"{content}\n{text}" if content else text}
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None, tool_format: str = "xlam") -> list[int]:
+                    tools: list[dict] | None = None, tool_format: str = "xlam",
+                    add_special_tokens: bool = False) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt, tools, tool_format)
-        # The template writes the special tokens itself.
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+        # The template writes the special tokens itself (more only when /tokenize asks).
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's piece of the vocabulary as it stands there (`Ġworld`), as transformers'
+        convert_ids_to_tokens gives it; an id the vocabulary lacks is an empty string."""
+        return [self.tokenizer.id_to_token(i) or "" for i in ids]

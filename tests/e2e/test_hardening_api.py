@@ -129,8 +129,8 @@ BAD = {
                                  "guided_json", ["structured_outputs.json"]),
     "OpenAI's older functions": (CHAT, {"messages": HI, "functions": []}, 400, "functions",
                                  ["tools"]),
-    "an OpenAI field we lack": (CHAT, {"messages": HI, "service_tier": "auto"}, 400,
-                                "service_tier", []),
+    "an OpenAI field we lack": (CHAT, {"messages": HI, "audio": {"voice": "alloy"}}, 400,
+                                "audio", []),
     "unknown field in stream_options": (CHAT, {"messages": HI, "stream": True, "stream_options":
                                                {"include_usage": True, "x": 1}}, 400,
                                         "stream_options.x", []),
@@ -298,11 +298,13 @@ def test_openapi_describes_every_route(stack):
     doc = requests.get(stack.url + "/openapi.json", timeout=10).json()
     assert doc["openapi"].startswith("3.1")
     paths = doc["paths"]
-    for path in (CHAT, CMPL, GEN, "/v1/models", "/health", "/metrics", "/flush_cache",
-                 "/abort_request", "/get_server_info", "/openapi.json"):
+    for path in (CHAT, CMPL, GEN, "/tokenize", "/detokenize", "/v1/models", "/health",
+                 "/metrics", "/flush_cache", "/abort_request", "/get_server_info",
+                 "/openapi.json"):
         assert path in paths, path
     for path, body in ((CHAT, "ChatCompletionRequest"), (CMPL, "CompletionRequest"),
-                       (GEN, "GenerateRequest")):
+                       (GEN, "GenerateRequest"), ("/tokenize", "TokenizeRequest"),
+                       ("/detokenize", "DetokenizeRequest")):
         schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert schema["$ref"].endswith("/" + body)
         assert "400" in paths[path]["post"]["responses"]
