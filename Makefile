@@ -33,11 +33,11 @@ serve: $(SERVE_STAMP)
 	$(BIN)/tokenline serve --host 127.0.0.1 --port 8000
 
 test: $(TEST_STAMP)
-	$(PYTEST) -n 2 tests
+	$(PYTEST) -n 2 --dist loadfile tests
 
 # the edit loop: unit and integration tests without whole stacks
 test-fast: $(TEST_STAMP)
-	$(PYTEST) -n 2 -m "not stack" tests/unit tests/integration
+	$(PYTEST) -n 2 --dist loadfile -m "not stack" tests/unit tests/integration
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .

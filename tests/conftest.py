@@ -79,8 +79,15 @@ def pytest_configure(config) -> None:
     _count_fast_paths()
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
-    """One line CI shows: which fast paths this run exercised, and why a kernel is absent."""
+def pytest_collection_modifyitems(config, items) -> None:
+    """Every end-to-end test starts a stack: marked so, `make test-fast` leaves them out."""
+    for item in items:
+        if "e2e" in item.path.parts:
+            item.add_marker(pytest.mark.stack)
+
+
+def _kernel_states() -> dict[str, str]:
+    """Each C++ extension's state in this process: built, missing (why), or failed."""
     from services.scheduler import native
 
     def built(ext) -> str:
@@ -91,8 +98,36 @@ def pytest_terminal_summary(terminalreporter) -> None:
             return "built"
         return state.missing or f"BUILD FAILED: {state.error[:300]}"
 
+    return {ext.what: built(ext) for ext in native.EXTENSIONS}
+
+
+# Under pytest-xdist the tests run in worker processes: each sends its counts and kernel states
+# back when it finishes, and the controller's summary line adds them up.
+WORKER_KERNELS: dict[str, set[str]] = {}
+
+
+def pytest_sessionfinish(session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a worker
+        workeroutput["fast_paths"] = dict(FAST_PATH_CALLS)
+        workeroutput["kernels"] = _kernel_states()
+
+
+def pytest_testnodedown(node, error) -> None:
+    output = getattr(node, "workeroutput", {})
+    FAST_PATH_CALLS.update(output.get("fast_paths", {}))
+    for what, state in output.get("kernels", {}).items():
+        WORKER_KERNELS.setdefault(what, set()).add(state)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line CI shows: which fast paths this run exercised, and why a kernel is absent."""
+    states = {what: {state} for what, state in _kernel_states().items()}
+    if WORKER_KERNELS:  # the workers' states are the ones that count; "not asked" only if none
+        states = {what: (seen - {"not asked for in this process"} or seen)
+                  for what, seen in WORKER_KERNELS.items()}
     calls = ", ".join(f"{name} x{n}" for name, n in sorted(FAST_PATH_CALLS.items())) or "none"
-    kernels = "; ".join(f"{ext.what}: {built(ext)}" for ext in native.EXTENSIONS)
+    kernels = "; ".join(f"{what}: {' / '.join(sorted(seen))}" for what, seen in states.items())
     terminalreporter.write_line(f"fast paths exercised in-process: {calls} ({kernels})")
 
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import routing, scale_out
+
+pytestmark = pytest.mark.stack  # starts services as processes (make test-fast skips it)
 
 
 def _stack_flags(model, tmp_path, name: str) -> list[str]:

@@ -28,6 +28,8 @@ from common.config import ServerArgs, parse_server_args
 from tests.helpers import REPO, free_port, wait_healthy
 from tests.integration.procs import ServiceProc
 
+pytestmark = pytest.mark.stack  # starts services as processes (make test-fast skips it)
+
 TOKENLINE = ("gateway", "tokenizer", "scheduler", "detokenizer")
 FLAGS = {f.name for f in dataclasses.fields(ServerArgs)}
 _VAR = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}|\$(\w+)")

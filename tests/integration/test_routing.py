@@ -24,6 +24,8 @@ from common.subjects import Subjects
 from tests.helpers import free_port, metric, wait_healthy
 from tests.integration.procs import ServiceProc, StatsWatch
 
+pytestmark = pytest.mark.stack  # starts services as processes (make test-fast skips it)
+
 HEARTBEAT_TIMEOUT = 3.0
 PAGE = 16
 FLAGS = ["--heartbeat-timeout", str(HEARTBEAT_TIMEOUT), "--stats-interval", "0.3",

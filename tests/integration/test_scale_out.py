@@ -21,6 +21,8 @@ import pytest
 from tests.helpers import free_port, wait_healthy
 from tests.integration.procs import ServiceProc, StatsWatch
 
+pytestmark = pytest.mark.stack  # starts services as processes (make test-fast skips it)
+
 # Small, to notice a death fast; not smaller: on a loaded 2-core machine a live service's
 # heartbeat can be late by more than a second.
 HEARTBEAT_TIMEOUT = 3.0
