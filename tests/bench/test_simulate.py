@@ -86,7 +86,7 @@ def test_request_too_big_for_the_pool_is_rejected() -> None:
         simulate("continuous", 4, [10], prompt_lengths=[100], kv_tokens=50)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)  # a fixed seed
 @given(
     policy=st.sampled_from(["static", "dynamic", "continuous"]),
     max_batch=st.integers(1, 5),

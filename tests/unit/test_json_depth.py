@@ -27,7 +27,7 @@ def depth(value) -> int:
     return 0
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400, deadline=None, derandomize=True)  # a fixed seed
 @given(VALUES, st.booleans())
 def test_depth_equals_the_decoded_values_depth(value, ascii_only):
     body = json.dumps(value, ensure_ascii=ascii_only).encode()

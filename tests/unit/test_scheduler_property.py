@@ -24,7 +24,8 @@ request_st = st.tuples(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, derandomize=True,  # a fixed seed: the same cases
+          suppress_health_check=[HealthCheck.too_slow])
 @given(
     reqs=st.lists(request_st, min_size=1, max_size=24),
     num_blocks=st.integers(8, 40),
