@@ -33,6 +33,8 @@ class NgramProposer:
         self.max_n = max_n
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        # a scan back over the tokens: O(len(tokens)) a call, which a few thousand tokens per
+        # request per step can afford; an index of the n-grams is the cure where it shows
         if k < 1:
             return []
         size = len(tokens)
