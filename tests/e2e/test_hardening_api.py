@@ -328,7 +328,7 @@ def openai_error_shape(ctx, response, case) -> bool | None:
 
 def _fuzz_config() -> schemathesis.Config:
     config = schemathesis.Config()
-    config.update(seed=FUZZ_SEED)
+    config.update(seed=FUZZ_SEED, max_failures=None)
     config.projects.default.generation.update(max_examples=EXAMPLES_PER_ROUTE, database="none")
     return config
 
