@@ -20,6 +20,15 @@ from services.gateway.protocol import (
     GenerateRequest,
     TokenizeRequest,
 )
+from services.gateway.responses import (
+    MAX_INPUT_ITEMS,
+    MAX_TOOLS,
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    FunctionTool,
+    MessageItem,
+    ResponsesRequest,
+)
 
 REF = "#/components/schemas/{name}"
 ROLES = ["system", "user", "assistant", "tool", "developer"]
@@ -153,6 +162,16 @@ def _generation(body: str, summary: str) -> dict:
     }}
 
 
+def _responses() -> dict:
+    """POST /v1/responses: its stream is typed events, not chat's chunks and `[DONE]`."""
+    route = _generation("ResponsesRequest", "OpenAI's Responses API (nothing is stored)")
+    route["post"]["responses"]["200"]["description"] = (
+        "OK; with `stream: true` Server-Sent Events, each with an `event:` line and a "
+        "`sequence_number`, from `response.created` to `response.completed` or "
+        "`response.incomplete` (an error mid-stream is an `error` event)")
+    return route
+
+
 def _post(body: str, summary: str, answer: str, errors: tuple[int, ...]) -> dict:
     return {"post": {
         "summary": summary,
@@ -173,7 +192,8 @@ def _schemas() -> dict[str, Any]:
     and the answers'."""
     _, schemas = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, GenerateRequest, TokenizeRequest,
-         DetokenizeRequest], ref_template=REF)
+         DetokenizeRequest, ResponsesRequest, MessageItem, FunctionCallItem,
+         FunctionCallOutputItem, FunctionTool], ref_template=REF)
     messages = {"type": "array", "minItems": 1, "items": _ref("ChatMessage")}
     schemas["ChatCompletionRequest"]["properties"]["messages"] = messages
     schemas["TokenizeRequest"]["properties"]["messages"] = messages
@@ -186,6 +206,13 @@ def _schemas() -> dict[str, Any]:
         {"required": ["text"], "properties": {"text": TEXT}},
         {"required": ["input_ids"], "properties": {"input_ids": TOKEN_IDS}},
     ]
+    items = {"anyOf": [_ref("MessageItem"), _ref("FunctionCallItem"),
+                       _ref("FunctionCallOutputItem")]}
+    responses = schemas["ResponsesRequest"]["properties"]
+    responses["input"] = {"anyOf": [{"type": "string"}, {
+        "type": "array", "minItems": 1, "maxItems": MAX_INPUT_ITEMS, "items": items}]}
+    responses["tools"] = {"anyOf": [{"type": "array", "maxItems": MAX_TOOLS,
+                                     "items": _ref("FunctionTool")}, {"type": "null"}]}
     schemas.update(ChatMessage=CHAT_MESSAGE, AbortRequest=ABORT_REQUEST,
                    ErrorResponse=ERROR_RESPONSE, TokenizeResponse=TOKENIZE_RESPONSE,
                    DetokenizeResponse=DETOKENIZE_RESPONSE)
@@ -202,6 +229,7 @@ def spec(model_name: str, api_key: bool = False) -> dict[str, Any]:
         "paths": {
             "/v1/chat/completions": _generation("ChatCompletionRequest", "chat completion"),
             "/v1/completions": _generation("CompletionRequest", "text completion"),
+            "/v1/responses": _responses(),
             "/generate": _generation("GenerateRequest", "SGLang-style native generation"),
             "/tokenize": _post("TokenizeRequest", "vLLM's: the token ids of a prompt, or of "
                                "messages as a chat completion renders them", "TokenizeResponse",

@@ -56,6 +56,7 @@ from services.gateway.render import (
     decoder,
     usage,
 )
+from services.gateway.responses_route import create_response
 from services.gateway.tracker import Event, SubRequest, Tracker, events
 
 log = get_logger("gateway")
@@ -140,6 +141,7 @@ class GatewayService(Service):
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/responses", self.responses)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
@@ -272,6 +274,9 @@ class GatewayService(Service):
         subs = sequences(rid, self.instance_id, [prompt], params, req.n, req.priority,
                          req.cache_salt)
         return await self._run(request, subs, req.stream, renderer)
+
+    async def responses(self, request: web.Request) -> web.StreamResponse:
+        return await create_response(self, request)  # services/gateway/responses_route.py
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._body(request, CompletionRequest)
