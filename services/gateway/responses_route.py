@@ -1,22 +1,19 @@
 """POST /v1/responses: a chat completion under the Responses API's bodies and events.
 
 The request is checked and translated in `responses.py`, its bodies shaped in
-`responses_render.py`; this file drives it through the gateway's pipeline (`_start`, `_events`,
-`_finish`, as chat's `_run` does). Its stream is not chat's: every SSE event has an `event:`
+`responses_render.py`; this file drives it through the gateway's `_run`, with a stream writer of
+its own. Its stream is not chat's: every SSE event has an `event:`
 line and a `sequence_number`, and it ends with `response.completed` (no `data: [DONE]`).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import msgspec
-import structlog
 from aiohttp import web
 
-from common import tracing
-from common.messages import GenerateReq
-from services.gateway import spans
 from services.gateway.protocol import APIError, check_model, sequences
 from services.gateway.responses import ResponsesRequest, responses_param
 from services.gateway.responses_render import ResponsesRenderer, new_id
@@ -44,35 +41,10 @@ async def create_response(gw: Gateway, request: web.Request) -> web.StreamRespon
         msgs = sequences(rid, gw.instance_id, [prompt], params, 1, 0)
         if not req.stream:
             return await gw._run(request, msgs, False, renderer)
-        return await _run_stream(gw, request, msgs, renderer)
+        return await gw._run(request, msgs, True, renderer, partial(_stream, gw))
     except APIError as exc:  # the chat pipeline names chat's fields
         exc.param = responses_param(exc.param)
         raise
-
-
-async def _run_stream(gw: Gateway, request: web.Request, msgs: list[GenerateReq],
-                      renderer: ResponsesRenderer) -> web.StreamResponse:
-    """Chat's `_run` for a stream, with this API's events."""
-    group = msgs[0].rid
-    if tracing.enabled():
-        spans.on_start(msgs, gw.model_name, group)
-        headers = tracing.inject()
-    else:
-        headers = tracing.passthrough(request.headers)
-    structlog.contextvars.bind_contextvars(rid=group, trace_id=tracing.trace_id(headers))
-    subs = await gw._start(msgs, headers, group)
-    reason, failed = "client disconnected", False
-    try:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                           "Cache-Control": "no-cache"})
-        reason = await _stream(gw, request, resp, subs, renderer)
-        failed = reason != "finished"
-        return resp
-    except APIError as exc:
-        reason, failed = exc.message, True
-        raise
-    finally:
-        await gw._finish(subs, group, reason, failed)
 
 
 async def _stream(gw: Gateway, request: web.Request, resp: web.StreamResponse, subs: list,

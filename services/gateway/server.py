@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgspec
 import structlog
@@ -62,6 +62,9 @@ from services.gateway.tracker import Event, SubRequest, Tracker, events
 log = get_logger("gateway")
 
 STAGES = ("tokenizer", "scheduler", "detokenizer")
+# writes one streamed response's events; returns how it ended ("finished" or the error)
+StreamWriter = Callable[[web.Request, web.StreamResponse, list[SubRequest], Renderer],
+                        Awaitable[str]]
 
 
 def _json(data: dict | list, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -365,8 +368,9 @@ class GatewayService(Service):
             yield ev
 
     async def _run(self, request: web.Request, msgs: list[GenerateReq], stream: bool,
-                   renderer: Renderer) -> web.StreamResponse:
-        """Drive one HTTP request: stream chunks or gather the final body; abort when left."""
+                   renderer: Renderer, writer: StreamWriter | None = None) -> web.StreamResponse:
+        """Drive one HTTP request: stream chunks or gather the final body; abort when left.
+        `writer` streams an API's own events (default: OpenAI's chunks, `_stream`)."""
         group = msgs[0].rid.rsplit("-", 1)[0] if len(msgs) > 1 else msgs[0].rid
         if tracing.enabled():
             spans.on_start(msgs, self.model_name, group)
@@ -385,7 +389,7 @@ class GatewayService(Service):
                 return _json(renderer.final(subs))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
-            reason = await self._stream(request, resp, subs, renderer)
+            reason = await (writer or self._stream)(request, resp, subs, renderer)
             failed = reason != "finished"  # an error event after the first byte
             return resp
         except APIError as exc:
