@@ -12,6 +12,7 @@ the torch path, and with TOKENLINE_CPU_KERNELS=require (the test suite sets it) 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import re
@@ -84,13 +85,26 @@ class Extension:
             log.info(f"{missing}: {self.what} is not built, plain torch runs instead")
             return NativeKernels(missing=missing)
         try:
-            module = torch.utils.cpp_extension.load(
-                name=self._name(), sources=[str(self.source)], extra_cflags=CFLAGS,
-                extra_ldflags=["-fopenmp"])
+            module = self._load()
         except Exception as exc:  # noqa: BLE001 - a failed build: the torch path, and say why
             log.warning(f"could not build {self.what}, using plain torch: {exc}")
             return NativeKernels(error=f"{type(exc).__name__}: {exc}")
         return NativeKernels(module=module)
+
+    def _load(self):
+        """Build (or find built) and import, one process at a time per build. torch's own
+        guard is a lock file that a killed build leaves behind, and every later build then
+        waits on it forever; ours is an flock, which the OS drops with its holder, so under it
+        a torch lock file can only be such a leftover and goes."""
+        name = self._name()
+        build_dir = build_root() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with open(build_dir.with_name(name + ".flock"), "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (build_dir / "lock").unlink(missing_ok=True)
+            return torch.utils.cpp_extension.load(
+                name=name, sources=[str(self.source)], extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
 
     def _name(self) -> str:
         """-march=native: the build is for this CPU, so the CPU's flags are part of its name; so
@@ -103,6 +117,14 @@ class Extension:
                                          str(self.source).encode(), flags.encode(),
                                          torch.__version__.encode(), " ".join(CFLAGS).encode()]))
         return f"tokenline_{self.source.stem}_{key.hexdigest()[:12]}"
+
+
+def build_root() -> Path:
+    """Where torch keeps JIT builds (TORCH_EXTENSIONS_DIR, else its cache), per Python."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    return Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
 
 
 EXTENSIONS: list[Extension] = []
