@@ -126,7 +126,7 @@ def test_max_tokens_and_stop_sequences_give_their_stop_reasons(client, model, gr
     assert cut.content[0].text == text[:text.index(word)]
 
 
-def test_tool_use_round_trip(client, model):
+def test_tool_use_round_trip(stack, client, model):
     kw = dict(model=model, messages=ASK_WEATHER, tools=[WEATHER], max_tokens=60,
               extra_body=GREEDY, tool_choice={"type": "any", "disable_parallel_tool_use": True})
     first = client.messages.create(**kw)
@@ -139,6 +139,12 @@ def test_tool_use_round_trip(client, model):
     (scall,) = [b for b in streamed.content if b.type == "tool_use"]
     assert (scall.name, scall.input) == (call.name, call.input)
     assert streamed.stop_reason == "tool_use"
+    events = _sse(stack, {**{k: v for k, v in kw.items() if k != "extra_body"}, **GREEDY})
+    (start,) = [d["content_block"] for n, d in events if n == "content_block_start"]
+    assert start["type"] == "tool_use" and start["input"] == {} and start["name"] == call.name
+    pieces = [d["delta"] for n, d in events if n == "content_block_delta"]
+    assert {p["type"] for p in pieces} == {"input_json_delta"}
+    assert json.loads("".join(p["partial_json"] for p in pieces)) == call.input
 
     history = [*ASK_WEATHER, {"role": "assistant", "content": first.content},
                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
