@@ -11,10 +11,20 @@ import hmac
 from aiohttp import web
 
 from common.config import ServerArgs
+from services.gateway import anthropic
 from services.gateway.protocol import APIError, check_json_depth
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})  # probes and scrapers
 ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache"})
+X_API_KEY_PATHS = frozenset({anthropic.PATH})  # Anthropic's clients send `x-api-key: KEY`
+
+
+def authorization(request: web.Request) -> str:
+    """The Authorization header's value; on Anthropic's route, without one, `x-api-key`'s."""
+    value = request.headers.get("Authorization", "")
+    if not value and request.path in X_API_KEY_PATHS and "x-api-key" in request.headers:
+        return f"Bearer {request.headers['x-api-key']}"
+    return value
 
 
 def _presents(authorization: str, key: str) -> bool:
@@ -44,8 +54,7 @@ def check_key(path: str, authorization: str, api_key: str | None,
 def middlewares(args: ServerArgs) -> list:
     @web.middleware
     async def keys(request: web.Request, handler):
-        check_key(request.path, request.headers.get("Authorization", ""), args.api_key,
-                  args.admin_api_key)
+        check_key(request.path, authorization(request), args.api_key, args.admin_api_key)
         return await handler(request)
 
     @web.middleware

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from services.gateway.anthropic import MessagesRequest
 from services.gateway.protocol import (
     MAX_N,
     ChatCompletionRequest,
@@ -54,6 +55,18 @@ ERROR_RESPONSE = {
                 "code": {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]},
             },
         }
+    },
+}
+
+ANTHROPIC_ERROR_RESPONSE = {
+    "title": "AnthropicErrorResponse",
+    "type": "object",
+    "description": "Anthropic's error body (/v1/messages); the message names the field.",
+    "required": ["type", "error"],
+    "properties": {
+        "type": {"type": "string", "enum": ["error"]},
+        "error": {"type": "object", "required": ["type", "message"],
+                  "properties": {"type": {"type": "string"}, "message": {"type": "string"}}},
     },
 }
 
@@ -136,7 +149,7 @@ def _json(schema: dict, description: str = "OK") -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _errors(*statuses: int) -> dict:
+def _errors(*statuses: int, body: str = "ErrorResponse") -> dict:
     described = {
         400: "invalid request (the message and `param` say which field)",
         401: "missing or wrong API key",
@@ -145,7 +158,7 @@ def _errors(*statuses: int) -> dict:
         503: "overloaded (see Retry-After) or a stage is unavailable",
         504: "no output in time",
     }
-    return {str(s): _json(_ref("ErrorResponse"), described[s]) for s in statuses}
+    return {str(s): _json(_ref(body), described[s]) for s in statuses}
 
 
 def _generation(body: str, summary: str) -> dict:
@@ -172,6 +185,22 @@ def _responses() -> dict:
     return route
 
 
+def _messages() -> dict:
+    """Anthropic's route: its own events and error body."""
+    streamed = {"description": "OK: a message; with `stream: true` Server-Sent Events, each "
+                               "`event: <type>` with its `data` (message_start ... "
+                               "message_stop; an error mid-stream is `event: error`)",
+                "content": {"application/json": {"schema": OBJECT},
+                            "text/event-stream": {"schema": {"type": "string"}}}}
+    return {"post": {
+        "summary": "Anthropic's Messages API, generated as the chat completion it translates to",
+        "requestBody": {"required": True, "content": {
+            "application/json": {"schema": _ref("MessagesRequest")}}},
+        "responses": {"200": streamed, **_errors(400, 401, 404, 413, 503, 504,
+                                                 body="AnthropicErrorResponse")},
+    }}
+
+
 def _post(body: str, summary: str, answer: str, errors: tuple[int, ...]) -> dict:
     return {"post": {
         "summary": summary,
@@ -193,7 +222,7 @@ def _schemas() -> dict[str, Any]:
     _, schemas = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, GenerateRequest, TokenizeRequest,
          DetokenizeRequest, ResponsesRequest, MessageItem, FunctionCallItem,
-         FunctionCallOutputItem, FunctionTool], ref_template=REF)
+         FunctionCallOutputItem, FunctionTool, MessagesRequest], ref_template=REF)
     messages = {"type": "array", "minItems": 1, "items": _ref("ChatMessage")}
     schemas["ChatCompletionRequest"]["properties"]["messages"] = messages
     schemas["TokenizeRequest"]["properties"]["messages"] = messages
@@ -214,7 +243,8 @@ def _schemas() -> dict[str, Any]:
     responses["tools"] = {"anyOf": [{"type": "array", "maxItems": MAX_TOOLS,
                                      "items": _ref("FunctionTool")}, {"type": "null"}]}
     schemas.update(ChatMessage=CHAT_MESSAGE, AbortRequest=ABORT_REQUEST,
-                   ErrorResponse=ERROR_RESPONSE, TokenizeResponse=TOKENIZE_RESPONSE,
+                   ErrorResponse=ERROR_RESPONSE, AnthropicErrorResponse=ANTHROPIC_ERROR_RESPONSE,
+                   TokenizeResponse=TOKENIZE_RESPONSE,
                    DetokenizeResponse=DETOKENIZE_RESPONSE)
     return schemas
 
@@ -230,6 +260,7 @@ def spec(model_name: str, api_key: bool = False) -> dict[str, Any]:
             "/v1/chat/completions": _generation("ChatCompletionRequest", "chat completion"),
             "/v1/completions": _generation("CompletionRequest", "text completion"),
             "/v1/responses": _responses(),
+            "/v1/messages": _messages(),
             "/generate": _generation("GenerateRequest", "SGLang-style native generation"),
             "/tokenize": _post("TokenizeRequest", "vLLM's: the token ids of a prompt, or of "
                                "messages as a chat completion renders them", "TokenizeResponse",

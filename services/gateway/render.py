@@ -10,9 +10,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
+
 from common.messages import Finish, LogprobOut, TextOut
 from services.gateway import constraints
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from services.gateway.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+)
 from services.gateway.tracker import SubRequest
 
 Decode = Callable[[list[int]], str]  # token ids -> text, special tokens kept
@@ -75,6 +82,16 @@ class Renderer:
 
     def token_str(self, tid: int) -> str:
         return self.decode([tid])
+
+    # how a stream is framed: OpenAI's and SGLang's `data:` lines, ending in `[DONE]`
+    def sse(self, chunk: dict | list) -> bytes:
+        return b"data: " + msgspec.json.encode(chunk) + b"\n\n"
+
+    def error_event(self, exc: APIError) -> bytes:
+        return self.sse(exc.body())
+
+    def done(self) -> bytes:
+        return b"data: [DONE]\n\n"
 
 
 class _OpenAI(Renderer):

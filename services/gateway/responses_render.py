@@ -26,11 +26,18 @@ from common.messages import TextOut
 from common.tool_calls import CallDelta
 from services.gateway import constraints
 from services.gateway.constraints import ToolPlan
+from services.gateway.protocol import APIError
 from services.gateway.render import usage
-from services.gateway.responses import FunctionToolChoice, ResponsesRequest
+from services.gateway.responses import FunctionToolChoice, ResponsesRequest, responses_param
 from services.gateway.tracker import SubRequest
 
 Event = tuple[str, dict]  # (type, data without type and sequence_number)
+
+
+def frames(events: list[dict]) -> bytes:
+    """SSE frames, each with its `event:` line."""
+    return b"".join(b"event: " + e["type"].encode() + b"\ndata: " + msgspec.json.encode(e)
+                    + b"\n\n" for e in events)
 
 
 def new_id(prefix: str) -> str:
@@ -61,7 +68,9 @@ def _call(call_id: str, name: str, arguments: str, status: str) -> dict:
 
 
 class ResponsesRenderer:
-    """One response's bodies: `final` unstreamed, `events` and `end` streamed."""
+    """One response's bodies: `final` unstreamed, `events` and `end` streamed. The gateway's
+    stream driver (server._stream) sees it as any renderer: a chunk is the list of events one
+    output makes, framed by `sse`; the tail is the closing events; no `[DONE]`."""
 
     def __init__(self, rid: str, model: str, req: ResponsesRequest) -> None:
         self.rid = rid
@@ -140,6 +149,27 @@ class ResponsesRenderer:
         evs.append((f"response.{status}", {"response": body}))
         return [self.event(kind, data) for kind, data in evs]
 
+
+    # -- as the gateway's Renderer (render.py) ---------------------------------------------------
+    def chunk(self, sub: SubRequest, out: TextOut) -> list[dict] | None:
+        return self.events(sub, out) or None
+
+    def with_usage(self, chunk: list[dict], subs: list[SubRequest]) -> list[dict]:
+        return chunk
+
+    def tail(self, subs: list[SubRequest]) -> list[list[dict]]:
+        return [self.end(subs)]
+
+    def sse(self, events: list[dict]) -> bytes:
+        return frames(events)
+
+    def error_event(self, exc: APIError) -> bytes:
+        return frames([self.event("error", {"code": exc.code or exc.err_type,
+                                            "message": exc.message,
+                                            "param": responses_param(exc.param)})])
+
+    def done(self) -> bytes:
+        return b""
 
 class Output:
     """A streamed reply read into output items, and the events that build them."""

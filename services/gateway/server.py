@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 import msgspec
 import structlog
@@ -32,7 +32,8 @@ from common.messages import (
 from common.modelstore import model_info, prepare_model
 from common.peers import PeerTable
 from common.service import Service
-from services.gateway import guards, spans
+from services.gateway import anthropic, guards, spans
+from services.gateway.anthropic_render import MessagesRenderer
 from services.gateway.failover import Failover
 from services.gateway.metrics import Metrics
 from services.gateway.protocol import (
@@ -62,9 +63,6 @@ from services.gateway.tracker import Event, SubRequest, Tracker, events
 log = get_logger("gateway")
 
 STAGES = ("tokenizer", "scheduler", "detokenizer")
-# writes one streamed response's events; returns how it ended ("finished" or the error)
-StreamWriter = Callable[[web.Request, web.StreamResponse, list[SubRequest], Renderer],
-                        Awaitable[str]]
 
 
 def _json(data: dict | list, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -72,13 +70,13 @@ def _json(data: dict | list, status: int = 200, headers: dict | None = None) -> 
                         content_type="application/json", headers=headers)
 
 
-def _error(exc: APIError) -> web.Response:
+# a route whose API has its own error body; every other route answers in OpenAI's
+ERROR_BODIES = {anthropic.PATH: anthropic.error_body}
+
+
+def _error(exc: APIError, path: str = "") -> web.Response:
     headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
-    return _json(exc.body(), exc.status, headers)
-
-
-def _sse(data: dict | list) -> bytes:
-    return b"data: " + msgspec.json.encode(data) + b"\n\n"
+    return _json(ERROR_BODIES.get(path, APIError.body)(exc), exc.status, headers)
 
 
 class GatewayService(Service):
@@ -145,6 +143,7 @@ class GatewayService(Service):
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/responses", self.responses)
+        app.router.add_post(anthropic.PATH, self.messages)
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/tokenize", self.tokenize)
         app.router.add_post("/detokenize", self.detokenize)
@@ -161,20 +160,20 @@ class GatewayService(Service):
         try:
             return await handler(request)
         except APIError as exc:
-            return _error(exc)
+            return _error(exc, request.path)
         except web.HTTPRequestEntityTooLarge:
             return _error(APIError(
                 f"the request body exceeds {self.args.max_request_bytes} bytes "
-                "(--max-request-bytes)", None, 413))
+                "(--max-request-bytes)", None, 413), request.path)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return _error(APIError(exc.reason or "error", None, exc.status))
+            return _error(APIError(exc.reason or "error", None, exc.status), request.path)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:  # noqa: BLE001 - never a bare 500 without the OpenAI error shape
             log.exception("handler failed", path=request.path)
-            return _error(APIError("internal server error", None, 500))
+            return _error(APIError("internal server error", None, 500), request.path)
 
     async def _body(self, request: web.Request, kind: type):
         if request.content_length and request.content_length > self.args.max_request_bytes:
@@ -281,6 +280,21 @@ class GatewayService(Service):
     async def responses(self, request: web.Request) -> web.StreamResponse:
         return await create_response(self, request)  # services/gateway/responses_route.py
 
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API, as the chat completion it translates to."""
+        req = await self._body(request, anthropic.MessagesRequest)
+        check_model(req.model, self.model_name)
+        if self.info.chat_template is None:
+            raise APIError("this model has no chat template: use /v1/completions or /generate, "
+                           "or start the server with --chat-template FILE", "messages")
+        chat = req.to_chat()
+        prompt = chat.prompt()
+        params = chat.to_params(self.info.vocab_size, self.args.max_stop_strings)
+        rid = f"msg_{uuid.uuid4().hex}"
+        renderer = MessagesRenderer(rid, self.model_name, self.decode, chat)
+        subs = sequences(rid, self.instance_id, [prompt], params, 1, 0)
+        return await self._run(request, subs, req.stream, renderer)
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._body(request, CompletionRequest)
         check_model(req.model, self.model_name)
@@ -368,9 +382,8 @@ class GatewayService(Service):
             yield ev
 
     async def _run(self, request: web.Request, msgs: list[GenerateReq], stream: bool,
-                   renderer: Renderer, writer: StreamWriter | None = None) -> web.StreamResponse:
-        """Drive one HTTP request: stream chunks or gather the final body; abort when left.
-        `writer` streams an API's own events (default: OpenAI's chunks, `_stream`)."""
+                   renderer: Renderer) -> web.StreamResponse:
+        """Drive one HTTP request: stream chunks or gather the final body; abort when left."""
         group = msgs[0].rid.rsplit("-", 1)[0] if len(msgs) > 1 else msgs[0].rid
         if tracing.enabled():
             spans.on_start(msgs, self.model_name, group)
@@ -389,7 +402,7 @@ class GatewayService(Service):
                 return _json(renderer.final(subs))
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
-            reason = await (writer or self._stream)(request, resp, subs, renderer)
+            reason = await self._stream(request, resp, subs, renderer)
             failed = reason != "finished"  # an error event after the first byte
             return resp
         except APIError as exc:
@@ -410,17 +423,17 @@ class GatewayService(Service):
                     continue
                 if not resp.prepared:
                     await resp.prepare(request)
-                await resp.write(_sse(renderer.with_usage(chunk, subs)))
+                await resp.write(renderer.sse(renderer.with_usage(chunk, subs)))
             if not resp.prepared:
                 await resp.prepare(request)
             for chunk in renderer.tail(subs):
-                await resp.write(_sse(chunk))
+                await resp.write(renderer.sse(chunk))
         except APIError as exc:
             if not resp.prepared:
                 raise
             reason = exc.message
-            await resp.write(_sse(exc.body()))
-        await resp.write(b"data: [DONE]\n\n")
+            await resp.write(renderer.error_event(exc))
+        await resp.write(renderer.done())
         await resp.write_eof()
         return reason
 

@@ -1,5 +1,6 @@
 """Bad input never crashes a service: every refusal is a 4xx in OpenAI's error shape naming the
-field, a fuzzer driven by /openapi.json finds no 5xx, and the books balance afterwards.
+field (Anthropic's on /v1/messages), a fuzzer driven by /openapi.json finds no 5xx, and the books
+balance afterwards.
 
 One stack for the module, guarded by an API key, over a NATS server that wants a user and
 password (so the credentials must have reached every service for anything to work).
@@ -57,6 +58,7 @@ CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 GEN = "/generate"
 RESP = "/v1/responses"
+MESSAGES = "/v1/messages"  # Anthropic's: its own error body
 HI = [{"role": "user", "content": "hi"}]
 
 # (route, body, status, param, words the message must contain)
@@ -179,6 +181,59 @@ BAD = {
 def test_bad_input_gets_4xx_naming_the_field(stack, case):
     path, body, status, param, words = BAD[case]
     assert_openai_error(post(stack, path, body), status, param, *words)
+
+
+def assert_anthropic_error(resp: requests.Response, status: int, err_type: str,
+                           *contains: str) -> None:
+    assert resp.status_code == status, (resp.status_code, resp.text[:500])
+    body = resp.json()
+    assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+    assert body["error"]["type"] == err_type, body
+    for text in contains:
+        assert text in body["error"]["message"], body
+
+
+USE = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+# (body, status, Anthropic's error type, words the message must contain)
+BAD_MESSAGES = {
+    "missing max_tokens": ({"model": "tiny", "messages": HI}, 400, "invalid_request_error",
+                           ["max_tokens"]),
+    "a message of no role": ({"model": "tiny", "max_tokens": 2, "messages": [{"content": "x"}]},
+                             400, "invalid_request_error", ["messages[0]"]),
+    "content a number": ({"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": 5}]}, 400, "invalid_request_error", ["messages[0].content"]),
+    "a block of an unknown type": ({"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "document", "source": {}}]}]}, 400,
+        "invalid_request_error", ["messages[0].content[0].type", "document"]),
+    "a tool_use in a user message": ({"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [USE]}]}, 400, "invalid_request_error", ["tool_use"]),
+    "tool_result without its tool_use": ({"model": "tiny", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9"}]}]},
+        400, "invalid_request_error", ["toolu_9"]),
+    "a huge messages list": ({"model": "tiny", "max_tokens": 2,
+                              "messages": [{"role": "user", "content": "x"}] * 100_001},
+                             413, "request_too_large", [str(MAX_BYTES)]),
+    "an unknown model": ({"model": "claude-x", "max_tokens": 2, "messages": HI}, 404,
+                         "not_found_error", ["claude-x"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_MESSAGES), ids=list(BAD_MESSAGES))
+def test_bad_messages_input_gets_4xx_in_anthropics_shape(stack, case):
+    body, status, err_type, words = BAD_MESSAGES[case]
+    assert_anthropic_error(post(stack, MESSAGES, body), status, err_type, *words)
+
+
+def test_messages_deep_nesting_and_keys_in_anthropics_shape(stack):
+    deep = f'{{"model": "tiny", "max_tokens": 2, "messages": {nested(DEEP)}}}'.encode()
+    assert_anthropic_error(post(stack, MESSAGES, deep), 400, "invalid_request_error",
+                           "levels deep")
+    body = {"model": "tiny", "max_tokens": 2, "messages": HI}
+    resp = requests.post(stack.url + MESSAGES, json=body, timeout=10,
+                         headers={"x-api-key": "wrong"})
+    assert_anthropic_error(resp, 401, "authentication_error")
+    resp = requests.post(stack.url + MESSAGES, json=body, timeout=60, headers={"x-api-key": KEY})
+    assert resp.status_code == 200 and resp.json()["usage"]["output_tokens"] == 2, resp.text
 
 
 def test_body_over_max_request_bytes_is_413(stack):
@@ -325,12 +380,14 @@ def test_openapi_describes_every_route(stack):
     doc = requests.get(stack.url + "/openapi.json", timeout=10).json()
     assert doc["openapi"].startswith("3.1")
     paths = doc["paths"]
-    for path in (CHAT, CMPL, GEN, RESP, "/tokenize", "/detokenize", "/v1/models", "/health",
+    for path in (CHAT, CMPL, GEN, RESP, MESSAGES, "/tokenize", "/detokenize", "/v1/models",
+                 "/health",
                  "/metrics", "/flush_cache", "/abort_request", "/get_server_info",
                  "/openapi.json"):
         assert path in paths, path
     for path, body in ((CHAT, "ChatCompletionRequest"), (CMPL, "CompletionRequest"),
                        (GEN, "GenerateRequest"), (RESP, "ResponsesRequest"),
+                       (MESSAGES, "MessagesRequest"),
                        ("/tokenize", "TokenizeRequest"),
                        ("/detokenize", "DetokenizeRequest")):
         schema = paths[path]["post"]["requestBody"]["content"]["application/json"]["schema"]
@@ -344,10 +401,16 @@ def test_openapi_describes_every_route(stack):
 
 
 def openai_error_shape(ctx, response, case) -> bool | None:
-    """Every refusal has OpenAI's body: {"error": {"message", "type", "param", "code"}}."""
+    """Every refusal has OpenAI's body: {"error": {"message", "type", "param", "code"}}; on
+    Anthropic's route Anthropic's: {"type": "error", "error": {"type", "message"}}."""
     if response.status_code < 400:
         return None
     body = response.json()
+    if case.path == MESSAGES:
+        assert isinstance(body, dict) and body.get("type") == "error" and set(
+            body.get("error", {})) == {"type", "message"}, (
+            f"not Anthropic's error body: {response.text[:300]}")
+        return True
     assert isinstance(body, dict) and set(body.get("error", {})) == {
         "message", "type", "param", "code"}, f"not OpenAI's error body: {response.text[:300]}"
     return True
