@@ -161,44 +161,42 @@ def _errors(*statuses: int, body: str = "ErrorResponse") -> dict:
     return {str(s): _json(_ref(body), described[s]) for s in statuses}
 
 
-def _generation(body: str, summary: str) -> dict:
-    streamed = {"description": "OK; with `stream: true` Server-Sent Events ending in "
-                               "`data: [DONE]` (an error mid-stream is an `{\"error\": ...}` "
-                               "event)",
+OPENAI_STREAM = ("OK; with `stream: true` Server-Sent Events ending in `data: [DONE]` (an "
+                 "error mid-stream is an `{\"error\": ...}` event)")
+
+
+def _generation(body: str, summary: str, stream: str = OPENAI_STREAM,
+                error_body: str = "ErrorResponse") -> dict:
+    """A generation route: a JSON body, or with `stream: true` the events `stream` describes."""
+    streamed = {"description": stream,
                 "content": {"application/json": {"schema": OBJECT},
                             "text/event-stream": {"schema": {"type": "string"}}}}
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True,
                         "content": {"application/json": {"schema": _ref(body)}}},
-        "responses": {"200": streamed, **_errors(400, 401, 404, 413, 503, 504)},
+        "responses": {"200": streamed,
+                      **_errors(400, 401, 404, 413, 503, 504, body=error_body)},
     }}
 
 
 def _responses() -> dict:
     """POST /v1/responses: its stream is typed events, not chat's chunks and `[DONE]`."""
-    route = _generation("ResponsesRequest", "OpenAI's Responses API (nothing is stored)")
-    route["post"]["responses"]["200"]["description"] = (
+    return _generation(
+        "ResponsesRequest", "OpenAI's Responses API (nothing is stored)",
         "OK; with `stream: true` Server-Sent Events, each with an `event:` line and a "
         "`sequence_number`, from `response.created` to `response.completed` or "
         "`response.incomplete` (an error mid-stream is an `error` event)")
-    return route
 
 
 def _messages() -> dict:
     """Anthropic's route: its own events and error body."""
-    streamed = {"description": "OK: a message; with `stream: true` Server-Sent Events, each "
-                               "`event: <type>` with its `data` (message_start ... "
-                               "message_stop; an error mid-stream is `event: error`)",
-                "content": {"application/json": {"schema": OBJECT},
-                            "text/event-stream": {"schema": {"type": "string"}}}}
-    return {"post": {
-        "summary": "Anthropic's Messages API, generated as the chat completion it translates to",
-        "requestBody": {"required": True, "content": {
-            "application/json": {"schema": _ref("MessagesRequest")}}},
-        "responses": {"200": streamed, **_errors(400, 401, 404, 413, 503, 504,
-                                                 body="AnthropicErrorResponse")},
-    }}
+    return _generation(
+        "MessagesRequest",
+        "Anthropic's Messages API, generated as the chat completion it translates to",
+        "OK: a message; with `stream: true` Server-Sent Events, each `event: <type>` with its "
+        "`data` (message_start ... message_stop; an error mid-stream is `event: error`)",
+        error_body="AnthropicErrorResponse")
 
 
 def _post(body: str, summary: str, answer: str, errors: tuple[int, ...]) -> dict:
