@@ -269,7 +269,9 @@ class EngineCore:
             i for i, (r, n) in enumerate(zip(batch.reqs, batch.num_new, strict=True))
             if r.num_computed + n == r.num_tokens
         ]
-        logits = self.runner.forward(batch.reqs, batch.num_new, sample_rows)
+        sampling = set(sample_rows)
+        logits = self.runner.forward(batch.reqs, batch.num_new,
+                                     [int(i in sampling) for i in range(len(batch.reqs))])
         t1 = time.perf_counter()
         self.scheduler.advance(batch)
         self.num_steps += 1

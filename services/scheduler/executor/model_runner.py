@@ -336,8 +336,11 @@ class ModelRunner:
         }
 
     @torch.inference_mode()
-    def forward(self, reqs: list[Sequence], num_new: list[int], sample_rows: list[int]):
-        """Compute the new tokens of every request; logits only for rows in `sample_rows`."""
+    def forward(self, reqs: list[Sequence], num_new: list[int], num_logits: list[int]):
+        """Compute the new tokens of every request. Logits come back for the last
+        `num_logits[b]` of request b's new tokens (0: none, a prefill chunk that does not end
+        the prompt; 1: its next token; k + 1: a speculative verify; all of a chunk: its prompt
+        logprobs), stacked in request order: [sum(num_logits), vocab]."""
         p = self.page_size
         ids: list[int] = []
         begins: list[int] = []
@@ -368,7 +371,7 @@ class ModelRunner:
             seq_lens_cpu=seq_lens,
             page_size=p,
         )
-        logits_idx = torch.from_numpy(starts[1:][sample_rows] - 1).to(dev)
+        logits_idx = torch.from_numpy(_logit_rows(starts, num_logits)).to(dev)
         return self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.from_numpy(positions).to(dev),
@@ -376,6 +379,19 @@ class ModelRunner:
             self.kv_caches,
             logits_idx,
         )
+
+
+def _logit_rows(starts: np.ndarray, num_logits: list[int]) -> np.ndarray:
+    """The packed rows whose logits are wanted: the last num_logits[b] of request b's rows."""
+    counts = np.asarray(num_logits, dtype=np.int64)
+    ends = starts[1:]
+    if not counts.any():
+        return np.zeros(0, dtype=np.int64)
+    if (counts <= 1).all():  # the common step: one row per sampling request
+        return ends[counts == 1] - 1
+    offsets = np.arange(int(counts.sum()), dtype=np.int64)
+    firsts = np.cumsum(counts) - counts
+    return np.repeat(ends - counts - firsts, counts) + offsets
 
 
 def _token_slice(req: Sequence, begin: int, end: int) -> list[int]:
