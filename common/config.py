@@ -86,6 +86,18 @@ class ServerArgs:
     batch_wait_ms: float = _flag(20.0, "dynamic batching: longest wait to fill a batch")
     disable_prefix_cache: bool = _flag(False, "turn the prefix cache off")
     debug_check_integrity: bool = _flag(False, "check the KV pool's books whenever idle")
+    # speculative decoding (SGLang's names)
+    speculative_algorithm: str | None = _flag(
+        None, "speculative decoding: NGRAM (prompt lookup: drafts copied from the request's own "
+        "prompt and output, no extra model); unset: off", choices=["NGRAM"])
+    speculative_num_draft_tokens: int = _flag(4, "draft tokens proposed per request per step, "
+                                              "verified in one forward")
+    speculative_ngram_min_match_window_size: int = _flag(
+        2, "NGRAM: shortest suffix of the tokens so far that is looked up earlier in them")
+    speculative_ngram_max_match_window_size: int = _flag(
+        4, "NGRAM: longest such suffix (the longest that matches wins)")
+    speculative_disable_by_batch_size: int = _flag(
+        8, "no drafts while more requests than this run (a large batch is compute-bound)")
     # routing (the tokenizer picks the scheduler; names as SGLang's router has them)
     load_balance_method: str = _flag(
         "cache_aware", "how a request's scheduler is picked: cache_aware (where its prefix is "

@@ -220,7 +220,8 @@ def _server_args(model: str | None, flags: dict[str, Any]) -> ServerArgs:
         raise TypeError(f"unknown engine flag(s) {unknown}; see `tokenline serve --help`")
     for name, value in flags.items():
         choices = fields[name].metadata.get("choices")
-        if choices and value not in choices:
+        if choices and value not in choices and not (value is None and fields[name].default
+                                                      is None):
             raise ValueError(f"{name}={value!r}: choose one of {choices}")
         if fields[name].metadata.get("type") == "device":
             try:

@@ -27,6 +27,7 @@ from services.scheduler.core.kv_pool import BlockPool
 from services.scheduler.core.request import Request
 from services.scheduler.core.sampler import SampleRow, needs_counts, sample
 from services.scheduler.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from services.scheduler.core.speculative import Speculator, accepted_prefix, spec_config
 from services.scheduler.executor.model_runner import ModelRunner
 
 log = get_logger("engine")
@@ -48,6 +49,8 @@ class StepStats:
     sample_s: float = 0.0
     mask_s: float = 0.0  # of sample_s: filling and applying grammar bitmasks
     num_masked: int = 0  # rows masked by a grammar
+    num_draft_tokens: int = 0  # speculative drafts verified this step
+    num_accepted_tokens: int = 0  # of them, accepted
 
 
 class EngineCore:
@@ -72,6 +75,8 @@ class EngineCore:
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, args.page_size, not args.disable_prefix_cache)
         self.scheduler = Scheduler(scheduler_config(args, self.max_model_len), self.pool)
+        spec = spec_config(args)
+        self.spec = Speculator(spec, self.max_model_len) if spec is not None else None
         self.eos_ids = set(self.info.eos_token_ids)
         self.grammars = GrammarCompiler(
             XGrammarBackend(self.info.tokenizer_json, self.runner.vocab_size,
@@ -127,6 +132,8 @@ class EngineCore:
         outputs: list[TokenOut] = []
         self._drain_inbox(outputs)
         self._poll_grammars(outputs)
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         for req in batch.failed:
             outputs.append(self._finish_out(req))
@@ -264,41 +271,18 @@ class EngineCore:
 
     def _run(self, batch: ScheduledBatch, outputs: list[TokenOut]) -> None:
         t0 = time.perf_counter()
-        # a request samples once every token it has is computed (a prefill's last chunk, a decode)
-        sample_rows = [
-            i for i, (r, n) in enumerate(zip(batch.reqs, batch.num_new, strict=True))
-            if r.num_computed + n == r.num_tokens
-        ]
-        sampling = set(sample_rows)
-        logits = self.runner.forward(batch.reqs, batch.num_new,
-                                     [int(i in sampling) for i in range(len(batch.reqs))])
+        # a request samples once every token it has is computed (a prefill's last chunk, a
+        # decode), on 1 + m rows when it verifies m drafts
+        num_logits = [1 + len(r.draft_ids) if r.num_computed + n == r.num_tokens + len(r.draft_ids)
+                      else 0 for r, n in zip(batch.reqs, batch.num_new, strict=True)]
+        logits = self.runner.forward(batch.reqs, batch.num_new, num_logits)
         t1 = time.perf_counter()
+        stats = self._step_stats(batch, t1 - t0)
         self.scheduler.advance(batch)
         self.num_steps += 1
-        stats = StepStats(
-            step=self.num_steps,
-            num_tokens=batch.num_tokens,
-            num_decode=sum(1 for n in batch.num_new if n == 1),
-            num_prefill_tokens=sum(n for n in batch.num_new if n > 1),
-            scheduled_rids=[r.rid for r in batch.reqs],
-            num_new=list(batch.num_new),
-            retracted_rids=[r.rid for r in batch.retracted],
-            forward_s=t1 - t0,
-        )
-        if sample_rows:
-            reqs = [batch.reqs[i] for i in sample_rows]
-            blocked = self._apply_grammars(logits, reqs, stats)
-            rows = [self._sample_row(r) for r in reqs]
-            tokens, logprobs = sample(logits, rows)
-            for i, (req, token) in enumerate(zip(reqs, tokens, strict=True)):
-                if i in blocked:
-                    self.scheduler.finish(req, Finish(
-                        kind="error", status=400, param=req.params.structured_outputs.param,
-                        message="the grammar allows no next token: the output cannot go on "
-                                "within the constraint"))
-                    continue
-                lp = logprobs[i] if logprobs else None
-                self._append_token(req, token, lp)
+        sampling = [(r, c) for r, c in zip(batch.reqs, num_logits, strict=True) if c]
+        if sampling:
+            self._sample(logits, sampling, stats)
         stats.sample_s = time.perf_counter() - t1
         self.last_step = stats
         for req in batch.reqs:
@@ -309,32 +293,90 @@ class EngineCore:
             elif req.is_finished:
                 outputs.append(self._finish_out(req))
 
-    def _apply_grammars(self, logits: torch.Tensor, reqs: list[Request],
+    def _step_stats(self, batch: ScheduledBatch, forward_s: float) -> StepStats:
+        real = [n - len(r.draft_ids) for r, n in zip(batch.reqs, batch.num_new, strict=True)]
+        return StepStats(
+            step=self.num_steps + 1,
+            num_tokens=batch.num_tokens,
+            num_decode=sum(1 for n in real if n == 1),
+            num_prefill_tokens=sum(n for n in real if n > 1),
+            num_draft_tokens=batch.num_tokens - sum(real),
+            scheduled_rids=[r.rid for r in batch.reqs],
+            num_new=list(batch.num_new),
+            retracted_rids=[r.rid for r in batch.retracted],
+            forward_s=forward_s,
+        )
+
+    def _sample(self, logits: torch.Tensor, sampling: list[tuple[Request, int]],
+                stats: StepStats) -> None:
+        """Sample every row, then give each request its tokens: the drafts its samples agree
+        with and the sample after them (speculative.py says why that is exact)."""
+        rows = [self._sample_row(r, j) for r, c in sampling for j in range(c)]
+        blocked = self._apply_grammars(logits, sampling, stats)
+        tokens, logprobs = sample(logits, rows)
+        start = 0
+        for req, count in sampling:
+            drafts = req.draft_ids
+            accepted = accepted_prefix(drafts, tokens[start:start + count])
+            if drafts:
+                self.scheduler.accept_drafts(req, accepted)
+                self.spec.record(len(drafts), accepted)
+                stats.num_accepted_tokens += accepted
+            for row in range(start, start + accepted + 1):
+                if row in blocked:
+                    self.scheduler.finish(req, Finish(
+                        kind="error", status=400, param=req.params.structured_outputs.param,
+                        message="the grammar allows no next token: the output cannot go on "
+                                "within the constraint"))
+                    break
+                self._append_token(req, tokens[row], logprobs[row] if logprobs else None)
+                if req.is_finished:
+                    break  # a stop inside the drafts: what follows it is not output
+            start += count
+
+    def _apply_grammars(self, logits: torch.Tensor, sampling: list[tuple[Request, int]],
                         stats: StepStats) -> set[int]:
         """Mask the logits of the rows whose request has a grammar (in place); returns the rows
-        whose grammar allows no token at all."""
-        rows = [i for i, r in enumerate(reqs) if r.matcher is not None]
-        if not rows:
+        whose grammar allows no token at all. A verifying request's row j is masked as its
+        matcher stands after its first j drafts (tried, then rolled back)."""
+        matchers, firsts, spec, row = [], [], [], 0
+        for req, count in sampling:
+            if req.matcher is not None:
+                matchers.append(req.matcher)
+                firsts.append(row)
+                if count > 1:
+                    spec.append((req, row))
+            row += count
+        if not firsts:
             return set()
         t0 = time.perf_counter()
         backend = self.grammars.backend
-        bitmask = backend.allocate_bitmask(len(reqs))
-        backend.fill_bitmasks([reqs[i].matcher for i in rows], bitmask, rows)
-        backend.apply_bitmask(logits, bitmask, rows)
-        blocked = {i for i in rows if not bool(bitmask[i].any())}
+        bitmask = backend.allocate_bitmask(row)
+        backend.fill_bitmasks(matchers, bitmask, firsts)
+        masked = list(firsts)
+        for req, first in spec:
+            for j, token in enumerate(req.draft_ids, start=1):
+                req.matcher.accept(token)  # speculator.grammar_prefix kept only allowed ones
+                backend.fill_bitmask(req.matcher, bitmask, first + j)
+                masked.append(first + j)
+            req.matcher.rollback(len(req.draft_ids))
+        backend.apply_bitmask(logits, bitmask, masked)
+        blocked = {i for i in masked if not bool(bitmask[i].any())}
         stats.mask_s = time.perf_counter() - t0
-        stats.num_masked = len(rows)
+        stats.num_masked = len(masked)
         return blocked
 
-    def _sample_row(self, req: Request) -> SampleRow:
+    def _sample_row(self, req: Request, draft: int = 0) -> SampleRow:
+        """The request's sampler for its next token, or (draft j) for the token after its
+        first j drafts, as if they had been accepted."""
         p = req.params
         suppress: list[int] = []
-        if req.num_generated < p.min_new_tokens:
+        if req.num_generated + draft < p.min_new_tokens:
             suppress = sorted((set() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids))
         return SampleRow(
             params=p,
             seed=req.seed,
-            position=req.num_tokens,
+            position=req.num_tokens + draft,
             output_counts=req.output_counts,
             seen_mask=req.seen_mask,
             suppress=suppress,

@@ -50,6 +50,7 @@ class GrammarError(ValueError):
 class Matcher(Protocol):
     def accept(self, token: int) -> bool: ...
     def is_terminated(self) -> bool: ...
+    def rollback(self, num_tokens: int) -> None: ...
 
 
 class GrammarBackend(Protocol):
@@ -61,6 +62,7 @@ class GrammarBackend(Protocol):
     def fill_bitmasks(self, matchers: list[Matcher], bitmask: torch.Tensor,
                       rows: list[int]) -> None:
         """Row `rows[i]` of the bitmask: the tokens `matchers[i]` allows next."""
+    def fill_bitmask(self, matcher: Matcher, bitmask: torch.Tensor, row: int) -> None: ...
     def allocate_bitmask(self, rows: int) -> torch.Tensor: ...
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
                       rows: list[int]) -> None: ...
@@ -128,6 +130,9 @@ class XGrammarBackend:
                       rows: list[int]) -> None:
         self.batch.batch_fill_next_token_bitmask([m.m for m in matchers], bitmask, rows)
 
+    def fill_bitmask(self, matcher: Matcher, bitmask: torch.Tensor, row: int) -> None:
+        matcher.m.fill_next_token_bitmask(bitmask, row)
+
     def allocate_bitmask(self, rows: int) -> torch.Tensor:
         return self.xgr.allocate_token_bitmask(rows, self.vocab_size)
 
@@ -145,6 +150,11 @@ class _XGrammarMatcher:
 
     def is_terminated(self) -> bool:
         return self.m.is_terminated()
+
+    def rollback(self, num_tokens: int) -> None:
+        """Forget the last tokens accepted (speculative drafts that were only tried)."""
+        if num_tokens:
+            self.m.rollback(num_tokens)
 
 
 @dataclass

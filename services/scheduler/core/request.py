@@ -70,6 +70,9 @@ class Request:
     output_counts: torch.Tensor | None = None
     seen_mask: torch.Tensor | None = None
     stop_text: IncrementalText | None = None  # only for a request with stop strings
+    # speculative decoding: tokens guessed to follow output_ids, verified this step (never part
+    # of `tokens`: only the accepted ones are appended to output_ids)
+    draft_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         # An unseeded request still gets a fixed seed, so retraction never changes its text.

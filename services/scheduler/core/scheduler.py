@@ -99,18 +99,31 @@ class Scheduler:
             # a prompt's last token is a 1-token prefill chunk, and spends the budget like one
             prefill = self._is_prefill(req)
             n = min(req.num_to_compute, self.config.chunked_prefill_size,
-                    prefill_budget) if prefill else 1
+                    prefill_budget) if prefill else 1 + self._drafts_to_verify(req, prefill_budget)
             if n <= 0:
                 continue
             if not self._reserve_blocks(req, n, batch):
                 continue
             if prefill:
                 prefill_budget -= n
+            else:
+                prefill_budget -= n - 1  # drafts are verified within the step's token budget
             batch.reqs.append(req)
             batch.num_new.append(n)
         self._admit(batch, prefill_budget)
         self._update_ratio(batch)
         return batch
+
+    def _drafts_to_verify(self, req: Request, budget: int) -> int:
+        """How many of a decoding request's drafts run this step: all of them if the token
+        budget and free blocks allow (drafts never make anyone retract), else none."""
+        m = len(req.draft_ids)
+        # a block of headroom per running request, so that no decode after this one retracts
+        if m and (m > budget or self._blocks_needed(req, 1 + m) + len(self.running)
+                  > self.pool.num_evictable):
+            req.draft_ids = []
+            m = 0
+        return m
 
     @staticmethod
     def _is_prefill(req: Request) -> bool:
@@ -274,6 +287,7 @@ class Scheduler:
     def finish(self, req: Request, finish: Finish) -> None:
         self.remove(req)
         self.free(req)
+        req.draft_ids = []
         req.status = Status.FINISHED
         req.finish = finish
 
@@ -303,6 +317,7 @@ class Scheduler:
         self.running.remove(req)
         self.free(req)
         req.num_computed = 0
+        req.draft_ids = []
         req.status = Status.WAITING
         req.num_retractions += 1
         self.num_retractions_total += 1
@@ -311,9 +326,21 @@ class Scheduler:
 
     # -- after the forward ----------------------------------------------------------------------
     def advance(self, batch: ScheduledBatch) -> None:
+        """After the forward: the tokens each request computed have KV (a verifying request's
+        drafts not yet: `accept_drafts` says how many of them count)."""
         for req, n in zip(batch.reqs, batch.num_new, strict=True):
-            req.num_computed += n
+            req.num_computed += n - len(req.draft_ids)
             self.cache_computed_blocks(req)
+
+    def accept_drafts(self, req: Request, accepted: int) -> None:
+        """The first `accepted` drafts were right: their KV stays. The rest of the drafts' slots
+        lie past num_computed, to be overwritten; blocks only they reached go back."""
+        req.num_computed += accepted
+        req.draft_ids = []
+        keep = self._num_blocks(req.num_computed + 1)
+        if len(req.block_table) > keep:
+            self.pool.release(req.block_table[keep:])
+            del req.block_table[keep:]
 
     def _blocks_needed(self, req: Request, n: int) -> int:
         return max(0, self._num_blocks(req.num_computed + n) - len(req.block_table))

@@ -100,6 +100,7 @@ class Sequence(Protocol):
 
     prompt_ids: list[int]
     output_ids: list[int]
+    draft_ids: list[int]  # speculative tokens after output_ids, verified this step
     num_computed: int
     block_table: list[int]
 
@@ -395,8 +396,11 @@ def _logit_rows(starts: np.ndarray, num_logits: list[int]) -> np.ndarray:
 
 
 def _token_slice(req: Sequence, begin: int, end: int) -> list[int]:
-    """req.tokens[begin:end] without building the whole prompt + output list."""
+    """(prompt + output + drafts)[begin:end] without building the whole list."""
     n = len(req.prompt_ids)
+    total = n + len(req.output_ids)
+    if end > total:  # a verify: the last output token, then the drafts
+        return _token_slice(req, begin, total) + req.draft_ids[: end - total]
     if begin >= n:
         return req.output_ids[begin - n : end - n]
     if end <= n:

@@ -1,0 +1,160 @@
+"""Speculative decoding: guess a decoding request's next tokens, verify them in one step.
+
+Each step, before scheduling, every running request that is decoding gets up to k draft
+tokens from the proposer (`Request.draft_ids`). The scheduler computes its last real token and
+the drafts as one extend of 1 + m positions, and the model returns logits for all of them:
+
+    tokens      ... t_last | d_1   d_2   ...  d_m
+    logits row        0      1     2    ...   m
+    row j predicts the token after d_j (row 0: after t_last)
+
+The engine samples every row with the request's own sampler, as if the drafts before it had
+been accepted (position, min_tokens, grammar state), and keeps the longest prefix of drafts
+that the samples equal, plus the first sample that differs (or the one after the last draft):
+1 to m + 1 tokens a step, never fewer than without speculation.
+
+Why that is exact, greedy or not: our proposals are deterministic (q is one token with
+probability 1), and every sample is the inverse-CDF draw the request would make at that
+position anyway (its uniform keyed by seed and position, `sampler.uniform`). The standard rule
+(accept d with probability min(1, p(d) / q(d)), else draw from norm(max(0, p - q))) becomes,
+for such a q: accept d with probability p(d), else draw from p without d; drawing x from p and
+accepting d when x == d is that rule, with x itself as the redraw. So the output is the
+target's distribution, and with a seed it is token for token the output without speculation.
+
+The KV of rejected drafts was written past the accepted length; `Scheduler.accept_drafts`
+moves `num_computed` to the accepted end, so those slots are overwritten before a block is
+ever full and hashed into the prefix cache, and releases blocks no accepted token reaches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from services.scheduler.core.proposer import NgramProposer, Proposer
+from services.scheduler.core.request import Request, Status
+from services.scheduler.core.sampler import needs_counts
+
+if TYPE_CHECKING:
+    from common.config import ServerArgs
+
+ALGORITHMS = ("NGRAM",)
+
+
+@dataclass
+class SpecConfig:
+    algorithm: str = "NGRAM"
+    num_draft_tokens: int = 4  # k: drafts per request per step
+    ngram_min: int = 2
+    ngram_max: int = 4
+    # no drafts while more requests than this run: a large batch is compute-bound, and
+    # verifying k drafts each costs about k decode rows' matmul work
+    disable_by_batch_size: int = 8
+
+
+def spec_config(args: ServerArgs) -> SpecConfig | None:
+    """The flags' speculative settings, or None when speculation is off; a bad combination is
+    a ValueError naming the flag (the service's start-up error)."""
+    if args.speculative_algorithm is None:
+        return None
+    if args.speculative_algorithm not in ALGORITHMS:
+        raise ValueError(f"--speculative-algorithm {args.speculative_algorithm}: choose from "
+                         + ", ".join(ALGORITHMS))
+    k = args.speculative_num_draft_tokens
+    if not 1 <= k <= 64:
+        raise ValueError(f"--speculative-num-draft-tokens must be in [1, 64], not {k}")
+    lo = args.speculative_ngram_min_match_window_size
+    hi = args.speculative_ngram_max_match_window_size
+    if not 1 <= lo <= hi:
+        raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= "
+                         f"--speculative-ngram-max-match-window-size, not {lo} and {hi}")
+    if args.speculative_disable_by_batch_size < 1:
+        raise ValueError("--speculative-disable-by-batch-size must be >= 1, not "
+                         f"{args.speculative_disable_by_batch_size}")
+    return SpecConfig(algorithm=args.speculative_algorithm, num_draft_tokens=k, ngram_min=lo,
+                      ngram_max=hi,
+                      disable_by_batch_size=args.speculative_disable_by_batch_size)
+
+
+@dataclass
+class SpecStats:
+    """vLLM's counters: steps that verified drafts, drafts proposed, drafts accepted, and
+    accepted drafts by their position in the proposal (the first accepted most often)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class Speculator:
+    """Gives running requests their drafts each step, and counts what verification kept."""
+
+    def __init__(self, config: SpecConfig, max_model_len: int,
+                 proposer: Proposer | None = None) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
+        self.stats = SpecStats(accepted_per_pos=[0] * config.num_draft_tokens)
+
+    def propose(self, running: list[Request]) -> None:
+        """Set `draft_ids` of each running request that decodes (empty for the rest)."""
+        active = len(running) <= self.config.disable_by_batch_size
+        for req in running:
+            req.draft_ids = self._drafts(req) if active and self._may_draft(req) else []
+
+    def _may_draft(self, req: Request) -> bool:
+        """Decoding, and nothing about it that verification would have to replay per row:
+        penalties count the output so far, so a row after a draft would need its own counts."""
+        return (req.status is Status.RUNNING and req.num_to_compute == 1
+                and req.num_computed >= len(req.prompt_ids) and not needs_counts(req.params))
+
+    def _drafts(self, req: Request) -> list[int]:
+        # never past what the request may still emit (the token after the drafts is emitted
+        # too), nor past the context
+        limit = req.params.max_new_tokens
+        left = (limit - req.num_generated if limit is not None else self.max_model_len) - 1
+        k = min(self.config.num_draft_tokens, left, self.max_model_len - req.num_tokens - 1)
+        if k < 1:
+            return []
+        drafts = self.proposer.propose(req.tokens, k)
+        if drafts and req.matcher is not None:
+            drafts = grammar_prefix(req, drafts)
+        return drafts
+
+    def record(self, drafted: int, accepted: int) -> None:
+        self.stats.record(drafted, accepted)
+
+
+def grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
+    """The drafts the request's grammar allows, up to the first it refuses (or the one that
+    ends it): a draft the grammar forbids would never be sampled, so it is not verified."""
+    matcher = req.matcher
+    kept = 0
+    for token in drafts:
+        if not matcher.accept(token):
+            break
+        kept += 1
+        if matcher.is_terminated():
+            break
+    matcher.rollback(kept)
+    return drafts[:kept]
+
+
+def accepted_prefix(drafts: list[int], sampled: list[int]) -> int:
+    """How many drafts the samples agree with, from the first (sampled[j] verifies drafts[j])."""
+    n = 0
+    while n < len(drafts) and sampled[n] == drafts[n]:
+        n += 1
+    return n
