@@ -138,17 +138,19 @@ class Speculator:
 
 
 def grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
-    """The drafts the request's grammar allows, up to the first it refuses (or the one that
-    ends it): a draft the grammar forbids would never be sampled, so it is not verified."""
+    """The drafts the request's grammar allows, up to the first it refuses or the one that
+    ends it: a draft the grammar forbids would never be sampled, and after the end there is no
+    row to mask (the row before it samples the end itself)."""
     matcher = req.matcher
-    kept = 0
+    tried = kept = 0
     for token in drafts:
         if not matcher.accept(token):
             break
-        kept += 1
+        tried += 1
         if matcher.is_terminated():
             break
-    matcher.rollback(kept)
+        kept += 1
+    matcher.rollback(tried)
     return drafts[:kept]
 
 
