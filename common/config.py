@@ -243,8 +243,27 @@ def server_parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def parse_server_args(argv: list[str] | None = None, prog: str | None = None) -> ServerArgs:
-    ns = server_parser(prog).parse_args(argv)
-    return ServerArgs(**vars(ns))
+    parser = server_parser(prog)
+    args = ServerArgs(**vars(parser.parse_args(argv)))
+    if (error := speculative_error(args)) is not None:
+        parser.error(error)
+    return args
+
+
+def speculative_error(args: ServerArgs) -> str | None:
+    """What is wrong with the speculative flags together, naming the flag (None: nothing)."""
+    k = args.speculative_num_draft_tokens
+    lo = args.speculative_ngram_min_match_window_size
+    hi = args.speculative_ngram_max_match_window_size
+    if not 1 <= k <= 64:
+        return f"--speculative-num-draft-tokens must be in [1, 64], not {k}"
+    if not 1 <= lo <= hi:
+        return ("--speculative-ngram-min-match-window-size must be >= 1 and <= "
+                f"--speculative-ngram-max-match-window-size, not {lo} and {hi}")
+    if args.speculative_disable_by_batch_size < 1:
+        return ("--speculative-disable-by-batch-size must be >= 1, not "
+                f"{args.speculative_disable_by_batch_size}")
+    return None
 
 
 def to_argv(args: ServerArgs) -> list[str]:

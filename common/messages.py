@@ -315,6 +315,12 @@ class StatsOut(msgspec.Struct, tag=True, omit_defaults=True):
     router_view: dict[str, int] | None = None
     kv_snapshots_total: int = 0
     grammar_requests_total: int = 0  # requests with a structured-output constraint
+    # speculative decoding (vLLM's spec_decode counters): verifies, drafts, accepted drafts,
+    # and accepted drafts by position in their proposal
+    spec_num_drafts_total: int = 0
+    spec_num_draft_tokens_total: int = 0
+    spec_num_accepted_tokens_total: int = 0
+    spec_accepted_per_pos_total: list[int] | None = None
     grammar_cache_hits_total: int = 0
     # compile times: a count per GRAMMAR_COMPILE_BUCKETS bound, then one for beyond the last
     grammar_compile_buckets: list[int] = msgspec.field(default_factory=list)

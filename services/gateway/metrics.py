@@ -58,6 +58,12 @@ class _SchedulerCollector:
                                        "constraint (JSON schema, regex, choice, EBNF, tools)."),
         "grammar_cache_hits": ("grammar_cache_hits_total", "Constraints whose grammar was "
                                                            "already compiled."),
+        "spec_decode_num_drafts": ("spec_num_drafts_total", "Speculative verifies: a request's "
+                                   "drafts scored in one step."),
+        "spec_decode_num_draft_tokens": ("spec_num_draft_tokens_total", "Draft tokens proposed "
+                                         "and verified."),
+        "spec_decode_num_accepted_tokens": ("spec_num_accepted_tokens_total", "Draft tokens "
+                                            "accepted (over draft tokens: the acceptance rate)."),
     }
 
     SETUP = ("quantization", "dtype", "linear_dtype", "device")  # scheduler_info's labels
@@ -96,6 +102,7 @@ class _SchedulerCollector:
             decisions.add_metric([self.model_name, reason], n)
         yield decisions
         yield self._compile_times()
+        yield self._accepted_per_pos()
         inflight = GaugeMetricFamily(P + "requests_in_flight",
                                      "Requests each service holds state for (leaks show here).",
                                      labels=["model_name", "service"])
@@ -115,6 +122,20 @@ class _SchedulerCollector:
                               info.get("device", "")], 1)
         yield setup
 
+
+    def _accepted_per_pos(self) -> CounterMetricFamily:
+        """Accepted drafts by their position in the proposal (vLLM's per-position counter)."""
+        c = CounterMetricFamily(P + "spec_decode_num_accepted_tokens_per_pos", "Draft tokens "
+                                "accepted, by position in their proposal (0: the first).",
+                                labels=["model_name", "position"])
+        totals: list[int] = []
+        for s in self.peers.known("scheduler"):
+            for pos, n in enumerate(s.spec_accepted_per_pos_total or []):
+                totals += [0] * (pos + 1 - len(totals))
+                totals[pos] += n
+        for pos, n in enumerate(totals or [0]):  # served at 0 before any speculation
+            c.add_metric([self.model_name, str(pos)], n)
+        return c
 
     def _compile_times(self) -> HistogramMetricFamily:
         """Grammar compile times, every scheduler's (dead ones' too: counts never go down)."""

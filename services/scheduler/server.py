@@ -82,6 +82,7 @@ class SchedulerService(Service):
         self._seen_step: StepStats | None = None
         self._stats_since: float | None = None  # start of the stats line's window (busy)
         self._last_gen = 0
+        self._last_drafted = self._last_accepted = 0  # speculation: the stats window's start
         self._last_prompt = 0
 
     async def setup(self) -> None:
@@ -329,9 +330,20 @@ class SchedulerService(Service):
                 prompt_tokens_per_s=round((prompt - self._last_prompt) / elapsed, 1),
                 gen_tokens_per_s=round((gen - self._last_gen) / elapsed, 1),
                 retractions=st["num_retractions_total"],
+                **self._acceptance(st),
             )
         self._last_gen, self._last_prompt = gen, prompt
         self._stats_since = None if idle else now
+
+    def _acceptance(self, st: dict) -> dict:
+        """The draft acceptance rate over the window, where speculation is on."""
+        if "spec_num_draft_tokens_total" not in st:
+            return {}
+        drafted = st["spec_num_draft_tokens_total"] - self._last_drafted
+        accepted = st["spec_num_accepted_tokens_total"] - self._last_accepted
+        self._last_drafted = st["spec_num_draft_tokens_total"]
+        self._last_accepted = st["spec_num_accepted_tokens_total"]
+        return {"draft_acceptance_rate": round(accepted / drafted, 3) if drafted else None}
 
     def _log_retractions(self, step: StepStats) -> None:
         for rid in step.retracted_rids:

@@ -221,7 +221,7 @@ def _same_but_for_near_ties(got: dict, base: dict, tie: float) -> None:
     top two within `tie` (after which the two texts may go their own ways)."""
     if got["ids"] == base["ids"]:
         return
-    i = next(i for i, (a, b) in enumerate(zip(got["ids"], base["ids"])) if a != b)
+    i = next(i for i, (a, b) in enumerate(zip(got["ids"], base["ids"], strict=True)) if a != b)
     top = base["logprobs"][i].top
     margin = top[0][1] - top[1][1]
     assert margin < tie, f"diverged at token {i} where the top two were {margin:.4f} apart"

@@ -77,6 +77,10 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config(args, self.max_model_len), self.pool)
         spec = spec_config(args)
         self.spec = Speculator(spec, self.max_model_len) if spec is not None else None
+        if self.spec is not None:
+            log.info(f"speculative decoding: {spec.algorithm}, {spec.num_draft_tokens} draft "
+                     f"tokens a step, off above {spec.disable_by_batch_size} running requests",
+                     **self.spec.info())
         self.eos_ids = set(self.info.eos_token_ids)
         self.grammars = GrammarCompiler(
             XGrammarBackend(self.info.tokenizer_json, self.runner.vocab_size,
@@ -523,7 +527,17 @@ class EngineCore:
             grammar_cache_hits_total=self.grammars.stats.cache_hits_total,
             grammar_compile_buckets=list(self.grammars.stats.compile_buckets),
             grammar_compile_seconds_sum=self.grammars.stats.compile_seconds_sum,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        s = self.spec.stats
+        return dict(spec_num_drafts_total=s.num_drafts,
+                    spec_num_draft_tokens_total=s.num_draft_tokens,
+                    spec_num_accepted_tokens_total=s.num_accepted_tokens,
+                    spec_accepted_per_pos_total=list(s.accepted_per_pos))
 
     def server_info(self) -> dict:
         return {
@@ -541,6 +555,7 @@ class EngineCore:
             "prefix_cache": not self.args.disable_prefix_cache,
             "grammar_backend": self.grammars.backend.name,
             "grammar_compile_timeout": self.args.grammar_compile_timeout,
+            "speculative": self.spec.info() if self.spec is not None else None,
         }
 
 

@@ -29,14 +29,11 @@ ever full and hashed into the prefix cache, and releases blocks no accepted toke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from common.config import ServerArgs, speculative_error
 from services.scheduler.core.proposer import NgramProposer, Proposer
 from services.scheduler.core.request import Request, Status
 from services.scheduler.core.sampler import needs_counts
-
-if TYPE_CHECKING:
-    from common.config import ServerArgs
 
 ALGORITHMS = ("NGRAM",)
 
@@ -60,17 +57,11 @@ def spec_config(args: ServerArgs) -> SpecConfig | None:
     if args.speculative_algorithm not in ALGORITHMS:
         raise ValueError(f"--speculative-algorithm {args.speculative_algorithm}: choose from "
                          + ", ".join(ALGORITHMS))
+    if (error := speculative_error(args)) is not None:
+        raise ValueError(error)
     k = args.speculative_num_draft_tokens
-    if not 1 <= k <= 64:
-        raise ValueError(f"--speculative-num-draft-tokens must be in [1, 64], not {k}")
     lo = args.speculative_ngram_min_match_window_size
     hi = args.speculative_ngram_max_match_window_size
-    if not 1 <= lo <= hi:
-        raise ValueError("--speculative-ngram-min-match-window-size must be >= 1 and <= "
-                         f"--speculative-ngram-max-match-window-size, not {lo} and {hi}")
-    if args.speculative_disable_by_batch_size < 1:
-        raise ValueError("--speculative-disable-by-batch-size must be >= 1, not "
-                         f"{args.speculative_disable_by_batch_size}")
     return SpecConfig(algorithm=args.speculative_algorithm, num_draft_tokens=k, ngram_min=lo,
                       ngram_max=hi,
                       disable_by_batch_size=args.speculative_disable_by_batch_size)
@@ -135,6 +126,15 @@ class Speculator:
 
     def record(self, drafted: int, accepted: int) -> None:
         self.stats.record(drafted, accepted)
+
+    def info(self) -> dict:
+        """The settings and the acceptance so far (`/get_server_info`, the start-up log)."""
+        c = self.config
+        return {"algorithm": c.algorithm, "num_draft_tokens": c.num_draft_tokens,
+                "ngram_min_match_window_size": c.ngram_min,
+                "ngram_max_match_window_size": c.ngram_max,
+                "disable_by_batch_size": c.disable_by_batch_size,
+                "acceptance_rate": round(self.stats.acceptance_rate, 4)}
 
 
 def grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
