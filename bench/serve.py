@@ -86,12 +86,22 @@ async def run_benchmark(
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         if model is None:
             model = await fetch_first_model(session, base_url, headers)
+        drafts_before = await spec_counters(session, base_url, headers)
         outputs, duration = await _send_all(
             session, base_url.rstrip("/") + endpoint, requests, chains, times, semaphore,
             headers, chat, bar,
             lambda req: _request_body(req, model, chat, temperature, ignore_eos, extra_body))
+        if drafts_before is not None:
+            # ours reach /metrics with the scheduler's next heartbeat (--stats-interval, 1 s)
+            await asyncio.sleep(SPEC_COUNTERS_SETTLE_S)
+        drafts_after = await spec_counters(session, base_url, headers)
     bar.close()
     result = compute_metrics(outputs, duration, percentiles, goodput)
+    if drafts_before is not None and drafts_after is not None:
+        drafted = drafts_after[0] - drafts_before[0]
+        accepted = drafts_after[1] - drafts_before[1]
+        result.update(spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
+                      spec_acceptance_rate=accepted / drafted if drafted else None)
     result.update(base_url=base_url, endpoint=endpoint, model=model, num_prompts=len(requests),
                   request_rate=request_rate, burstiness=burstiness,
                   max_concurrency=max_concurrency, **_per_request(outputs))
@@ -167,6 +177,39 @@ async def _send_all(
     bench_start = time.perf_counter()
     await asyncio.gather(*(dispatch(k, chain) for k, chain in enumerate(chains)))
     return outputs, time.perf_counter() - bench_start
+
+
+SPEC_COUNTERS_SETTLE_S = 1.5
+# (draft tokens, accepted tokens) counters of speculative decoding, ours and vLLM's names
+SPEC_COUNTERS = (("tokenline:spec_decode_num_draft_tokens_total",
+                  "tokenline:spec_decode_num_accepted_tokens_total"),
+                 ("vllm:spec_decode_num_draft_tokens_total",
+                  "vllm:spec_decode_num_accepted_tokens_total"))
+
+
+async def spec_counters(session: aiohttp.ClientSession, base_url: str,
+                        headers: dict[str, str]) -> tuple[float, float] | None:
+    """The server's speculative draft and accepted token counts from /metrics, summed over
+    their labels; None where it serves neither (no speculation, or no /metrics)."""
+    try:
+        async with session.get(base_url.rstrip("/") + "/metrics", headers=headers) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except aiohttp.ClientError:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
+
+    wanted = {name for pair in SPEC_COUNTERS for name in pair}
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    for drafted, accepted in SPEC_COUNTERS:
+        if drafted in sums and accepted in sums:
+            return sums[drafted], sums[accepted]
+    return None
 
 
 async def fetch_first_model(
@@ -333,6 +376,9 @@ def format_result(result: dict[str, Any]) -> str:
     if "request_goodput" in result:
         row("Request goodput (req/s):", result["request_goodput"], ".2f")
     row("Output token throughput (tok/s):", result["output_throughput"], ".2f")
+    if result.get("spec_draft_tokens"):
+        row("Draft tokens (speculative):", result["spec_draft_tokens"], "g")
+        row("Draft acceptance rate:", result["spec_acceptance_rate"], ".3f")
     row("Total Token throughput (tok/s):", result["total_token_throughput"], ".2f")
     for name, title in LATENCY_METRICS:
         lines.append(f"{title:-^50}")

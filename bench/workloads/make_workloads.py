@@ -8,6 +8,10 @@
 - shared_prefix32.jsonl: 32 requests that share one 1,500-token system prompt, followed by a
   distinct 8-24 token question, 16 output tokens each: what the prefix cache is for.
   Totals: 48,507 prompt tokens (1,500 of each request shared), 512 output tokens.
+- grounded12.jsonl: 12 text prompts whose answer is mostly in the prompt (a paragraph to
+  copy, code to repeat with one name changed, a JSON record to repeat without a field), 96
+  output tokens each: what speculative decoding's n-gram drafts are for. Text, not token ids,
+  so every server tokenizes the same prompts its own way (`bench peers`).
 - multiturn32x6.jsonl: 32 conversations of 6 turns behind one shared 1,024-token system
   prompt; each turn adds a 24-64 token user message and asks for a 32-token answer, and
   re-sends the whole history (`tokenline bench serve --dataset-name conversations`).
@@ -69,6 +73,49 @@ def multiturn(rng: np.random.Generator, conversations: int = 32, turns: int = 6,
     return rows
 
 
+CODE = """def mean(values):
+    total = 0
+    for value in values:
+        total += value
+    return total / len(values)
+
+
+def variance(values):
+    m = mean(values)
+    total = 0
+    for value in values:
+        total += (value - m) ** 2
+    return total / len(values)
+"""
+
+RECORD = {"name": "Ada Lovelace", "born": 1815, "city": "London",
+          "known_for": "the first published algorithm", "languages": ["English", "French"]}
+
+
+def grounded(paragraphs: list[str]) -> list[dict]:
+    """Copying, editing and filling in: each prompt holds most of its answer."""
+    rows = []
+    for p in paragraphs[:4]:
+        rows.append({"prompt": f"Text: {p}\n\nCopy the text above exactly.\nCopy: ",
+                     "max_tokens": 96})
+    for old, new in (("values", "xs"), ("total", "acc"), ("value", "x"), ("mean", "average")):
+        rows.append({"prompt": f"```python\n{CODE}```\nThe same code with `{old}` renamed "
+                               f"to `{new}`:\n```python\n", "max_tokens": 96})
+    for field in ("city", "born", "known_for", "languages"):
+        partial = {k: v for k, v in RECORD.items() if k != field}
+        rows.append({"prompt": f"Record: {json.dumps(RECORD)}\nThe record without its "
+                               f"`{field}` field, as JSON: {json.dumps(partial)[:20]}",
+                     "max_tokens": 96})
+    return rows
+
+
+def write_text(path: Path, rows: list[dict], what: str) -> str:
+    chars = sum(len(r["prompt"]) for r in rows)
+    output = sum(r["max_tokens"] for r in rows)
+    return _write(path, rows, f"{what}; {len(rows)} requests, {chars} prompt characters, "
+                  f"{output} output tokens")
+
+
 def write_conversations(path: Path, rows: list[dict], what: str) -> str:
     system = rows[0]["system_prompt_token_ids"]
     prompt = output = requests = 0
@@ -106,6 +153,10 @@ def main() -> None:
                 "prompts uniform in [32, 512] tokens, outputs uniform in [16, 256]"))
     print(write(HERE / "shared_prefix32.jsonl", shared_prefix(np.random.default_rng(SEED)),
                 "one shared 1500-token system prompt + an 8-24 token question, 16 out"))
+    texts = (HERE.parent / "texts" / "declaration_gettysburg.txt").read_text().split("\n\n")
+    paragraphs = [t.strip() for t in texts if 300 <= len(t.strip()) <= 900]
+    print(write_text(HERE / "grounded12.jsonl", grounded(paragraphs),
+                     "paragraphs to copy, code to repeat renamed, JSON to fill, 96 out"))
     print(write_conversations(HERE / "multiturn32x6.jsonl", multiturn(np.random.default_rng(SEED)),
                               "1024-token shared system prompt, 6 turns of 24-64 user + 32 "
                               "answer tokens, whole history re-sent"))

@@ -96,3 +96,17 @@ def test_acceptance_reaches_metrics_and_server_info(stack, client):
 
 def test_books_balance(stack):
     assert_books_balance(stack.url)
+
+
+def test_bench_serve_reports_the_acceptance_rate(stack):
+    import asyncio
+
+    from bench.datasets import SampleRequest
+    from bench.serve import format_result, run_benchmark
+
+    reqs = [SampleRequest(prompt=PROMPT, prompt_len=len(PROMPT), max_tokens=24)] * 2
+    result = asyncio.run(run_benchmark(stack.url, reqs, ignore_eos=True))
+    assert result["completed"] == 2
+    assert result["spec_draft_tokens"] > 0
+    assert 0 < result["spec_acceptance_rate"] <= 1
+    assert "Draft acceptance rate:" in format_result(result)
