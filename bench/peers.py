@@ -60,11 +60,13 @@ class Run:
         return self.useful_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def serve_workload(url: str, requests: list[SampleRequest]) -> dict[str, Any]:
-    """One warm-up request, then every request at once through bench.serve (greedy, EOS
-    ignored). Fails unless every request completed."""
+def serve_workload(url: str, requests: list[SampleRequest],
+                   max_concurrency: int | None = None) -> dict[str, Any]:
+    """One warm-up request, then every request (at once, or `max_concurrency` at a time)
+    through bench.serve (greedy, EOS ignored). Fails unless every request completed."""
     asyncio.run(run_benchmark(url, requests[:1], ignore_eos=True))  # first forwards allocate
-    out = asyncio.run(run_benchmark(url, requests, ignore_eos=True, temperature=0.0))
+    out = asyncio.run(run_benchmark(url, requests, max_concurrency=max_concurrency,
+                                    ignore_eos=True, temperature=0.0))
     if out["completed"] != len(requests) or out.get("first_error"):
         raise RuntimeError(f"bench serve against {url}: {out['completed']}/{len(requests)} "
                            f"completed, first error {out.get('first_error')}")
@@ -79,12 +81,21 @@ def useful_tokens(out: dict[str, Any], requests: list[SampleRequest]) -> tuple[i
     return sum(lens), short
 
 
-def measure(system: str, server: ServerProcess, requests: list[SampleRequest]) -> Run:
+def measure(system: str, server: ServerProcess, requests: list[SampleRequest],
+            max_concurrency: int | None = None) -> Run:
     with server:
-        out = serve_workload(server.url, requests)
+        out = serve_workload(server.url, requests, max_concurrency)
     tokens, short = useful_tokens(out, requests)
-    return Run(system, out["duration"], tokens, short, out["median_ttft_ms"],
-               out["median_tpot_ms"])
+    run = Run(system, out["duration"], tokens, short, out["median_ttft_ms"],
+              out["median_tpot_ms"])
+    if out.get("spec_acceptance_rate") is not None:
+        run.extra["acceptance_rate"] = out["spec_acceptance_rate"]
+    return run
+
+
+def _acceptance(runs: list[Run]) -> str:
+    rates = [r.extra["acceptance_rate"] for r in runs if "acceptance_rate" in r.extra]
+    return f"  drafts accepted {statistics.median(rates):.2f}" if rates else ""
 
 
 def format_report(runs: list[Run], header: str) -> str:
@@ -101,7 +112,8 @@ def format_report(runs: list[Run], header: str) -> str:
             f"{system:34} {rate[system]:12.1f} {statistics.median(r.seconds for r in rs):8.1f} "
             f"{statistics.median(r.median_ttft_ms for r in rs):11.0f} "
             f"{statistics.median(r.median_tpot_ms for r in rs):11.1f} "
-            f"{max(r.short_requests for r in rs):6d} {len(rs):6d}")
+            f"{max(r.short_requests for r in rs):6d} {len(rs):6d}"
+            + _acceptance(rs))
     peers = {s: v for s, v in rate.items() if s != OURS}
     if OURS in rate and peers:
         best = max(peers, key=peers.__getitem__)
@@ -113,8 +125,9 @@ def format_report(runs: list[Run], header: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenline bench peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
-                   help="JSONL with prompt_token_ids and max_tokens per line (token ids, so "
-                   "that both servers see the same prompt)")
+                   help="JSONL with prompt_token_ids (or a text prompt, tokenized here with "
+                   "the model's tokenizer, so that both servers see the same tokens) and "
+                   "max_tokens per line")
     p.add_argument("--num-prompts", type=int, help="only the first N requests")
     p.add_argument("--model", help="GGUF file for every server (default: SmolLM2's); with "
                    "--peer vllm also a transformers directory")
@@ -136,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ctx", type=int, default=65536, help="llama-server -c, shared by the slots")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every system this many times, interleaved; report medians")
+    p.add_argument("--max-concurrency", type=int,
+                   help="requests in flight at most (default: all at once); 1 measures a "
+                   "single user's TPOT")
+    p.add_argument("--vllm-speculative-config", metavar="JSON",
+                   help="--peer vllm: its --speculative-config, e.g. '{\"method\": "
+                   "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+                   "\"prompt_lookup_min\": 2}' (ours: --speculative-algorithm NGRAM after --)")
     p.add_argument("--no-tokenline", action="store_true", help="only the peers")
     p.add_argument("--json", help="write every run here")
     p.add_argument("tokenline_flags", nargs="*",
@@ -152,9 +172,14 @@ def _peer_systems(args: argparse.Namespace, parser: argparse.ArgumentParser,
         binary = find_vllm(args.vllm)
         model_dir = prepare_model(str(model))  # vLLM reads a transformers directory
         dtype = args.dtype or "float32"
-        return [(f"vllm serve ({dtype})", lambda: VllmServer(
+        extra = (["--speculative-config", args.vllm_speculative_config]
+                 if args.vllm_speculative_config else [])
+        name = f"vllm serve ({dtype}{', speculative' if extra else ''})"
+        return [(name, lambda: VllmServer(
             binary, model_dir, dtype=dtype, cores=args.threads, kv_space_gib=args.vllm_kv_space,
-            max_model_len=args.vllm_max_model_len))]
+            max_model_len=args.vllm_max_model_len, extra=extra))]
+    if args.vllm_speculative_config:
+        parser.error("--vllm-speculative-config is for --peer vllm")
     if args.dtype:
         parser.error("--dtype is for --peer vllm (llama-server runs the GGUF's own weights; "
                      "give ours a dtype after --)")
@@ -171,13 +196,30 @@ def _peer_systems(args: argparse.Namespace, parser: argparse.ArgumentParser,
         binary, model, slots=n, threads=args.threads, ctx=args.ctx)) for n in slots]
 
 
+def _tokenize_text_prompts(requests: list[SampleRequest], model: Path) -> None:
+    """Text prompts become the model's token ids (special tokens added as a completion's
+    are), so every server gets the same tokens however it would have tokenized the text."""
+    if all(isinstance(r.prompt, list) for r in requests):
+        return
+    from tokenizers import Tokenizer
+
+    from common.modelstore import prepare_model
+
+    tok = Tokenizer.from_file(str(prepare_model(str(model)) / "tokenizer.json"))
+    for r in requests:
+        if isinstance(r.prompt, str):
+            r.prompt = tok.encode(r.prompt).ids
+            r.prompt_len = len(r.prompt)
+
+
 def _header(args: argparse.Namespace, requests: list, model: Path) -> str:
     peer_setup = (f"vLLM {args.threads} bound cores, {args.vllm_kv_space} GiB KV"
                   if args.peer == "vllm" else f"llama-server -t {args.threads} -c {args.ctx}")
+    sent = (f"{args.max_concurrency} at a time" if args.max_concurrency else "all sent at once")
     return (f"workload {Path(args.workload).name}: {len(requests)} requests, "
             f"{sum(r.prompt_len for r in requests)} prompt + "
-            f"{sum(r.max_tokens for r in requests)} output tokens (greedy, EOS ignored, all "
-            f"sent at once); model {model.name}; {os.cpu_count()} cores; {peer_setup}")
+            f"{sum(r.max_tokens for r in requests)} output tokens (greedy, EOS ignored, {sent}); "
+            f"model {model.name}; {os.cpu_count()} cores; {peer_setup}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     if not requests:
         parser.error(f"{args.workload}: no requests")
-    if any(not isinstance(r.prompt, list) for r in requests):
-        parser.error("the workload needs prompt_token_ids: both servers then see the same tokens")
+    _tokenize_text_prompts(requests, model)  # both servers then see the same tokens
 
     header = _header(args, requests, model)
     print(header, flush=True)
@@ -213,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         for system, make in systems:
             try:
-                run = measure(system, make(), requests)
+                run = measure(system, make(), requests, args.max_concurrency)
             except (RuntimeError, TimeoutError, OSError) as exc:  # a server that won't serve
                 print(f"error: {system}: {exc}", file=sys.stderr)
                 return 1

@@ -104,13 +104,20 @@ def test_a_server_that_will_not_start_is_an_error_not_a_traceback(gguf, capsys) 
     assert "error: llama-server -np 8: /bin/false" in capsys.readouterr().err
 
 
-def test_text_prompts_are_refused(fake_binary, tmp_path, gguf, capsys) -> None:
-    workload = tmp_path / "text.jsonl"
-    workload.write_text(json.dumps({"prompt": "hello", "max_tokens": 4}))
-    with pytest.raises(SystemExit):
-        peers.main(["--no-tokenline", "--llama-server", str(fake_binary), "--model",
-                    str(gguf), "--workload", str(workload)])
-    assert "prompt_token_ids" in capsys.readouterr().err
+def test_text_prompts_become_the_models_token_ids(smol_path) -> None:
+    """Both servers get the same tokens: the text is tokenized here, once."""
+    from tokenizers import Tokenizer
+
+    from bench.datasets import SampleRequest
+    from common.modelstore import default_model_path
+
+    reqs = [SampleRequest(prompt="Copy this: hello world", prompt_len=5, max_tokens=4),
+            SampleRequest(prompt=[5, 6, 7], prompt_len=3, max_tokens=4)]
+    peers._tokenize_text_prompts(reqs, Path(default_model_path()))
+    want = Tokenizer.from_file(str(smol_path / "tokenizer.json")).encode(
+        "Copy this: hello world").ids
+    assert reqs[0].prompt == want and reqs[0].prompt_len == len(want)
+    assert reqs[1].prompt == [5, 6, 7]
 
 
 def test_report_takes_medians_and_the_best_peer() -> None:
