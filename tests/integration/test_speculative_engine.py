@@ -29,7 +29,10 @@ class OracleProposer:
         self.sequences = sequences
         self.calls = 0
 
-    def propose(self, tokens, k):
+    def new_state(self):
+        return None
+
+    def propose(self, tokens, k, state=None):
         self.calls += 1
         tokens = list(tokens)
         for seq in self.sequences:

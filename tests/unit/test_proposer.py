@@ -1,8 +1,10 @@
 """The n-gram proposer: what prompt lookup offers for a request's tokens."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from services.scheduler.core.proposer import NgramProposer, Proposer
+from services.scheduler.core.proposer import NgramProposer, Proposer, TokenView
 
 
 def test_ngram_proposes_what_followed_the_latest_earlier_match():
@@ -41,3 +43,25 @@ def test_ngram_sizes_are_checked():
 def test_ngram_is_a_proposer():
     proposer: Proposer = NgramProposer()
     assert proposer.propose([1, 2, 9, 1, 2], 1) == [9]
+
+
+@settings(max_examples=200, derandomize=True, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=0, max_size=60),
+       st.lists(st.integers(1, 5), min_size=1, max_size=20), st.integers(1, 3),
+       st.integers(0, 2), st.integers(1, 5))
+def test_the_index_proposes_what_the_scan_does(tokens, growth, min_n, extra, k):
+    """The incremental index, fed as a request grows (a few tokens a step), agrees with a scan
+    of the whole list at every size."""
+    proposer = NgramProposer(min_n, min_n + extra)
+    index = proposer.new_state()
+    size = 0
+    for step in growth:
+        size = min(len(tokens), size + step)
+        view = TokenView(tokens[: size // 2], tokens[size // 2: size])
+        assert proposer.propose(view, k, index) == proposer.propose(tokens[:size], k)
+
+
+def test_the_token_view_reads_prompt_then_output():
+    view = TokenView([1, 2, 3], [4, 5])
+    assert len(view) == 5 and view[3] == 4 and view[-1] == 5
+    assert view[1:4] == [2, 3, 4] and view[:2] == [1, 2] and view[3:] == [4, 5]

@@ -22,7 +22,10 @@ from services.scheduler.core.speculative import (
 class Repeat:
     """Proposes k copies of one token."""
 
-    def propose(self, tokens, k):
+    def new_state(self):
+        return None
+
+    def propose(self, tokens, k, state=None):
         return [7] * k
 
 

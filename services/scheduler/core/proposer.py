@@ -13,13 +13,76 @@ earlier in the request's own prompt or output, and what followed them there.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Proposer(Protocol):
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        """Up to `k` tokens that may follow `tokens` (a request's prompt then output)."""
+    def propose(self, tokens: Sequence[int], k: int, state: Any = None) -> list[int]:
+        """Up to `k` tokens that may follow `tokens` (a request's prompt then output). `state`
+        is what `new_state` gave for this request (kept on it between steps), or None."""
         ...
+
+    def new_state(self) -> Any:
+        """A request's own state for this proposer (None: it needs none)."""
+        ...
+
+
+class TokenView(Sequence[int]):
+    """A request's prompt then output as one sequence, without copying either."""
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt = prompt
+        self.output = output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, key):  # an int or a slice with step 1
+        n = len(self.prompt)
+        if isinstance(key, int):
+            key = key + len(self) if key < 0 else key
+            return self.prompt[key] if key < n else self.output[key - n]
+        start, stop, _ = key.indices(len(self))
+        if stop <= n:
+            return self.prompt[start:stop]
+        if start >= n:
+            return self.output[start - n:stop - n]
+        return self.prompt[start:] + self.output[:stop - n]
+
+
+class NgramIndex:
+    """One request's n-grams by their latest start, for n in [min_n, max_n], of those with a
+    token after them; extended as the request's tokens grow (tokens only ever grow)."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.size = 0
+        self.starts: dict[int, dict[tuple[int, ...], int]] = {
+            n: {} for n in range(min_n, max_n + 1)}
+
+    def update(self, tokens: Sequence[int]) -> None:
+        if len(tokens) < self.size:  # not the same request's tokens: start over
+            self.__init__(min(self.starts), max(self.starts))
+        if len(tokens) == self.size:
+            return
+        # at size s the n-gram that starts at s - 1 - n has its follower, tokens[s - 1]
+        window = tokens[max(0, self.size - max(self.starts) - 1):len(tokens)]
+        offset = len(tokens) - len(window)
+        for s in range(self.size + 1, len(tokens) + 1):
+            for n, table in self.starts.items():
+                start = s - 1 - n
+                if start >= offset:
+                    table[tuple(window[start - offset:s - 1 - offset])] = start
+        self.size = len(tokens)
+
+    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+        size = len(tokens)
+        for n in sorted(self.starts, reverse=True):
+            if n > size - 1:
+                continue
+            start = self.starts[n].get(tuple(tokens[size - n:size]))
+            if start is not None:
+                return list(tokens[start + n:start + n + k])
+        return []
 
 
 class NgramProposer:
@@ -32,11 +95,20 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
-        # a scan back over the tokens: O(len(tokens)) a call, which a few thousand tokens per
-        # request per step can afford; an index of the n-grams is the cure where it shows
+    def new_state(self) -> NgramIndex:
+        return NgramIndex(self.min_n, self.max_n)
+
+    def propose(self, tokens: Sequence[int], k: int, state: NgramIndex | None = None,
+                ) -> list[int]:
         if k < 1:
             return []
+        if state is not None:  # each step adds a few entries and looks up a few n-grams
+            state.update(tokens)
+            return state.lookup(tokens, k)
+        return self._scan(tokens, k)
+
+    def _scan(self, tokens: Sequence[int], k: int) -> list[int]:
+        """Without an index: a scan back over the tokens, O(len(tokens)) a call."""
         size = len(tokens)
         for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
             suffix = list(tokens[size - n:])

@@ -18,7 +18,7 @@ import enum
 import random
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from common.messages import Finish, SamplingParams, TokenizedReq
 
@@ -73,6 +73,7 @@ class Request:
     # speculative decoding: tokens guessed to follow output_ids, verified this step (never part
     # of `tokens`: only the accepted ones are appended to output_ids)
     draft_ids: list[int] = field(default_factory=list)
+    proposer_state: Any = None  # the proposer's own (NgramProposer: its n-gram index)
 
     def __post_init__(self) -> None:
         # An unseeded request still gets a fixed seed, so retraction never changes its text.

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from common.config import ServerArgs, speculative_error
-from services.scheduler.core.proposer import NgramProposer, Proposer
+from services.scheduler.core.proposer import NgramProposer, Proposer, TokenView
 from services.scheduler.core.request import Request, Status
 from services.scheduler.core.sampler import needs_counts
 
@@ -119,7 +119,10 @@ class Speculator:
         k = min(self.config.num_draft_tokens, left, self.max_model_len - req.num_tokens - 1)
         if k < 1:
             return []
-        drafts = self.proposer.propose(req.tokens, k)
+        if req.proposer_state is None:
+            req.proposer_state = self.proposer.new_state()
+        drafts = self.proposer.propose(TokenView(req.prompt_ids, req.output_ids), k,
+                                       req.proposer_state)
         if drafts and req.matcher is not None:
             drafts = grammar_prefix(req, drafts)
         return drafts
