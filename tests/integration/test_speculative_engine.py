@@ -259,3 +259,61 @@ def test_ngram_on_smollm2_is_token_identical(smol_path, dtype):
     stats = spec_engine.spec.stats
     # two of the prompts are copied: most drafts there are right (about 2/3 measured)
     assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens > 0
+
+
+class Greedy:
+    """Drafts the tokens a greedy run wrote: right where sampling picks the likeliest."""
+
+    def __init__(self, sequence: list[int]) -> None:
+        self.sequence = sequence
+
+    def new_state(self):
+        return None
+
+    def propose(self, tokens, k, state=None):
+        return self.sequence[len(tokens): len(tokens) + k]
+
+
+def _chi_square(a: dict, b: dict) -> tuple[float, int]:
+    """Two-sample chi-square statistic over the outcomes seen, and its degrees of freedom."""
+    na, nb = sum(a.values()), sum(b.values())
+    stat = 0.0
+    keys = set(a) | set(b)
+    for key in keys:
+        total = a.get(key, 0) + b.get(key, 0)
+        for counts, n in ((a, na), (b, nb)):
+            expected = total * n / (na + nb)
+            stat += (counts.get(key, 0) - expected) ** 2 / expected
+    return stat, len(keys) - 1
+
+
+def test_sampled_output_has_the_targets_distribution(tiny_model_dir):
+    """Many seeds with speculation against many other seeds without: the first three tokens'
+    joint distribution is the same by a chi-square test (fixed seeds: the verdict never
+    changes between runs)."""
+    prompt = [1000, 1001, 1002]
+    p = dict(max_new_tokens=3, temperature=1.0, top_k=3, ignore_eos=True)
+    flags = dict(max_running_requests=256, speculative_disable_by_batch_size=256)
+    greedy, _, _ = run_engine(EngineCore(engine_args(tiny_model_dir)), [TokenizedReq(
+        rid="g", gateway_id="g", input_ids=prompt,
+        params=SamplingParams(max_new_tokens=3, temperature=0.0))])
+    counts = []
+    for spec, seeds in ((False, range(0, 400)), (True, range(10_000, 10_400))):
+        engine = EngineCore(engine_args(tiny_model_dir, speculative_algorithm="NGRAM"
+                                        if spec else None, **flags))
+        if spec:
+            engine.spec.proposer = Greedy(prompt + greedy["g"])
+        reqs = [TokenizedReq(rid=f"s{s}", gateway_id="g", input_ids=prompt,
+                             params=SamplingParams(seed=s, **p)) for s in seeds]
+        got, _, _ = run_engine(engine, reqs)
+        outcome: dict[tuple, int] = {}
+        for ids in got.values():
+            outcome[tuple(ids)] = outcome.get(tuple(ids), 0) + 1
+        counts.append(outcome)
+        if spec:
+            stats = engine.spec.stats
+            assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    stat, dof = _chi_square(*counts)
+    assert dof >= 5  # a distribution, not a near-constant
+    # the chi-square 0.999 quantile is below dof + 3.3 sqrt(2 dof) + 3 for these dof
+    assert stat < dof + 3.3 * (2 * dof) ** 0.5 + 3, (stat, dof)
