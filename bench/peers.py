@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import sys
 from dataclasses import asdict, dataclass, field
@@ -119,6 +120,12 @@ def format_report(runs: list[Run], header: str) -> str:
         best = max(peers, key=peers.__getitem__)
         lines.append(f"\n{OURS}: {rate[OURS] / peers[best]:.2f}x the best peer ({best}, "
                      f"{peers[best]:.1f} tok/s)")
+        if len(peers) > 1:
+            tpot = {s: statistics.median(r.median_tpot_ms for r in rs)
+                    for s, rs in by_system.items()}
+            for other in peers:
+                lines.append(f"  against {other}: {rate[OURS] / peers[other]:.2f}x the tok/s, "
+                             f"{tpot[OURS] / tpot[other]:.2f}x the TPOT p50")
     return "\n".join(lines)
 
 
@@ -156,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--peer vllm: its --speculative-config, e.g. '{\"method\": "
                    "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
                    "\"prompt_lookup_min\": 2}' (ours: --speculative-algorithm NGRAM after --)")
+    p.add_argument("--tokenline-baseline", metavar="FLAGS",
+                   help="also run ours with these flags instead of those after -- (e.g. \"\" "
+                   "for none: speculation on against off, in the same rounds)")
     p.add_argument("--no-tokenline", action="store_true", help="only the peers")
     p.add_argument("--json", help="write every run here")
     p.add_argument("tokenline_flags", nargs="*",
@@ -248,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         ours = ["--dtype", args.dtype] if args.dtype else []
         systems.append((OURS, lambda: TokenlineServer("--model", str(model), *ours,
                                                       *args.tokenline_flags)))
+        if args.tokenline_baseline is not None:
+            baseline = shlex.split(args.tokenline_baseline)
+            systems.append((f"{OURS} ({args.tokenline_baseline or 'no flags'})",
+                            lambda: TokenlineServer("--model", str(model), *ours, *baseline)))
     systems += peer_systems
 
     runs: list[Run] = []
