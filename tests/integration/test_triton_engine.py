@@ -44,3 +44,30 @@ def test_triton_backend_gives_the_torch_backends_greedy_tokens(tiny_model_dir):
         assert engine.scheduler.prefix_hits_total == 16
         results[backend] = (first, second)
     assert results["triton"] == results["torch"]
+
+
+def test_triton_backend_verifies_speculative_drafts(tiny_model_dir):
+    """Drafts verified by the extend kernel (a query of 1 + k rows per request) keep the torch
+    backend's greedy tokens; drafts that are wrong at every other position are rejected."""
+    flags = dict(page_size=16, max_total_tokens=1024, device=DEVICE, dtype="float32")
+    want, _, _ = run_engine(EngineCore(engine_args(tiny_model_dir, attention_backend="torch",
+                                                   **flags)), _reqs())
+
+    class Oracle:
+        def new_state(self):
+            return None
+
+        def propose(self, tokens, k, state=None):
+            for r in _reqs():
+                seq = r.input_ids + want[r.rid]
+                if seq[: len(tokens)] == list(tokens):
+                    drafts = seq[len(tokens): len(tokens) + k]
+                    return [t if i % 2 == 0 else t + 1 for i, t in enumerate(drafts)]
+            return []
+
+    engine = EngineCore(engine_args(tiny_model_dir, attention_backend="triton",
+                                    speculative_algorithm="NGRAM", **flags))
+    engine.spec.proposer = Oracle()
+    got, _, _ = run_engine(engine, _reqs())
+    assert got == want
+    assert 0 < engine.spec.stats.num_accepted_tokens < engine.spec.stats.num_draft_tokens
