@@ -91,17 +91,10 @@ async def run_benchmark(
             session, base_url.rstrip("/") + endpoint, requests, chains, times, semaphore,
             headers, chat, bar,
             lambda req: _request_body(req, model, chat, temperature, ignore_eos, extra_body))
-        if drafts_before is not None:
-            # ours reach /metrics with the scheduler's next heartbeat (--stats-interval, 1 s)
-            await asyncio.sleep(SPEC_COUNTERS_SETTLE_S)
-        drafts_after = await spec_counters(session, base_url, headers)
+        spec = await _spec_delta(session, base_url, headers, drafts_before)
     bar.close()
     result = compute_metrics(outputs, duration, percentiles, goodput)
-    if drafts_before is not None and drafts_after is not None:
-        drafted = drafts_after[0] - drafts_before[0]
-        accepted = drafts_after[1] - drafts_before[1]
-        result.update(spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
-                      spec_acceptance_rate=accepted / drafted if drafted else None)
+    result.update(spec)
     result.update(base_url=base_url, endpoint=endpoint, model=model, num_prompts=len(requests),
                   request_rate=request_rate, burstiness=burstiness,
                   max_concurrency=max_concurrency, **_per_request(outputs))
@@ -185,6 +178,21 @@ SPEC_COUNTERS = (("tokenline:spec_decode_num_draft_tokens_total",
                   "tokenline:spec_decode_num_accepted_tokens_total"),
                  ("vllm:spec_decode_num_draft_tokens_total",
                   "vllm:spec_decode_num_accepted_tokens_total"))
+
+
+async def _spec_delta(session: aiohttp.ClientSession, base_url: str, headers: dict[str, str],
+                      before: tuple[float, float] | None) -> dict[str, Any]:
+    """Draft and accepted tokens since `before` (nothing where the server counts none)."""
+    if before is None:
+        return {}
+    # ours reach /metrics with the scheduler's next heartbeat (--stats-interval, 1 s)
+    await asyncio.sleep(SPEC_COUNTERS_SETTLE_S)
+    after = await spec_counters(session, base_url, headers)
+    if after is None:
+        return {}
+    drafted, accepted = after[0] - before[0], after[1] - before[1]
+    return dict(spec_draft_tokens=drafted, spec_accepted_tokens=accepted,
+                spec_acceptance_rate=accepted / drafted if drafted else None)
 
 
 async def spec_counters(session: aiohttp.ClientSession, base_url: str,
