@@ -82,8 +82,8 @@ async def run_benchmark(
     bar = tqdm(total=len(requests), disable=not progress, desc=f"rate {request_rate:g}")
     # Without a connection cap the client, not the server, would queue requests at rate inf.
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
-    timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=request_timeout_s)) as session:
         if model is None:
             model = await fetch_first_model(session, base_url, headers)
         drafts_before = await spec_counters(session, base_url, headers)
@@ -94,8 +94,7 @@ async def run_benchmark(
         spec = await _spec_delta(session, base_url, headers, drafts_before)
     bar.close()
     result = compute_metrics(outputs, duration, percentiles, goodput)
-    result.update(spec)
-    result.update(base_url=base_url, endpoint=endpoint, model=model, num_prompts=len(requests),
+    result.update(spec, base_url=base_url, endpoint=endpoint, model=model, num_prompts=len(requests),
                   request_rate=request_rate, burstiness=burstiness,
                   max_concurrency=max_concurrency, **_per_request(outputs))
     return result
