@@ -94,8 +94,8 @@ async def run_benchmark(
         spec = await _spec_delta(session, base_url, headers, drafts_before)
     bar.close()
     result = compute_metrics(outputs, duration, percentiles, goodput)
-    result.update(spec, base_url=base_url, endpoint=endpoint, model=model, num_prompts=len(requests),
-                  request_rate=request_rate, burstiness=burstiness,
+    result.update(spec, base_url=base_url, endpoint=endpoint, model=model,
+                  num_prompts=len(requests), request_rate=request_rate, burstiness=burstiness,
                   max_concurrency=max_concurrency, **_per_request(outputs))
     return result
 
