@@ -73,10 +73,9 @@ async def run_benchmark(
     (`input_lens`, `cached_lens`, `output_lens`, `ttfts`, `tpots`, `e2els`, `itls`,
     `start_times` in seconds, `errors`, `generated_texts`).
     """
-    chat = _is_chat(endpoint, requests)
+    chat, chains = _is_chat(endpoint, requests), _chains(requests)
     headers = {"Content-Type": "application/json",
                **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
-    chains = _chains(requests)
     times = arrival_times(len(chains), request_rate, burstiness, seed)
     semaphore = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), disable=not progress, desc=f"rate {request_rate:g}")
