@@ -89,7 +89,11 @@ class ServerArgs:
     # speculative decoding (SGLang's names)
     speculative_algorithm: str | None = _flag(
         None, "speculative decoding: NGRAM (prompt lookup: drafts copied from the request's own "
-        "prompt and output, no extra model); unset: off", choices=["NGRAM"])
+        "prompt and output, no extra model) or STANDALONE (a smaller draft model with the "
+        "same vocabulary, --speculative-draft-model-path); unset: off",
+        choices=["NGRAM", "STANDALONE"])
+    speculative_draft_model_path: str | None = _flag(
+        None, "STANDALONE: the draft model, a transformers directory or GGUF file")
     speculative_num_draft_tokens: int = _flag(4, "draft tokens proposed per request per step, "
                                               "verified in one forward")
     speculative_ngram_min_match_window_size: int = _flag(
@@ -257,6 +261,12 @@ def speculative_error(args: ServerArgs) -> str | None:
     hi = args.speculative_ngram_max_match_window_size
     if not 1 <= k <= 64:
         return f"--speculative-num-draft-tokens must be in [1, 64], not {k}"
+    draft = args.speculative_draft_model_path
+    if args.speculative_algorithm == "STANDALONE" and not draft:
+        return "--speculative-algorithm STANDALONE needs --speculative-draft-model-path"
+    if draft and args.speculative_algorithm != "STANDALONE":
+        return ("--speculative-draft-model-path is for --speculative-algorithm STANDALONE, not "
+                f"{args.speculative_algorithm or 'no speculation'}")
     if not 1 <= lo <= hi:
         return ("--speculative-ngram-min-match-window-size must be >= 1 and <= "
                 f"--speculative-ngram-max-match-window-size, not {lo} and {hi}")

@@ -94,6 +94,10 @@ def test_the_grammar_cuts_drafts_it_forbids_and_its_end(smol_path):
      "--speculative-ngram-max-match-window-size, not 5 and 4"),
     (["--speculative-disable-by-batch-size", "0"], "--speculative-disable-by-batch-size must"),
     (["--speculative-algorithm", "EAGLE"], "argument --speculative-algorithm: invalid choice"),
+    (["--speculative-algorithm", "STANDALONE"],
+     "--speculative-algorithm STANDALONE needs --speculative-draft-model-path"),
+    (["--speculative-draft-model-path", "/m"],
+     "--speculative-draft-model-path is for --speculative-algorithm STANDALONE, not NGRAM"),
 ])
 def test_bad_speculative_flags_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

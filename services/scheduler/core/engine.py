@@ -22,6 +22,7 @@ from common.incremental import IncrementalText
 from common.logging import get_logger
 from common.messages import AbortReq, Finish, KvEvent, LogprobOut, TokenizedReq, TokenOut
 from common.modelstore import gguf_source, model_info, prepare_model
+from services.scheduler.core.draft import draft_proposer
 from services.scheduler.core.grammar import GrammarCompiler, GrammarError, XGrammarBackend
 from services.scheduler.core.kv_pool import BlockPool
 from services.scheduler.core.request import Request
@@ -76,7 +77,11 @@ class EngineCore:
         self.pool = BlockPool(self.runner.num_blocks, args.page_size, not args.disable_prefix_cache)
         self.scheduler = Scheduler(scheduler_config(args, self.max_model_len), self.pool)
         spec = spec_config(args)
-        self.spec = Speculator(spec, self.max_model_len) if spec is not None else None
+        self.spec = None
+        if spec is not None:
+            draft = draft_proposer(args, self.runner, self.info.tokenizer_json,
+                                   self.max_model_len) if spec.algorithm == "STANDALONE" else None
+            self.spec = Speculator(spec, self.max_model_len, draft)
         if self.spec is not None:
             log.info(f"speculative decoding: {spec.algorithm}, {spec.num_draft_tokens} draft "
                      f"tokens a step, off above {spec.disable_by_batch_size} running requests",
@@ -480,6 +485,8 @@ class EngineCore:
 
     def _forget(self, req: Request) -> None:
         self.requests.pop(req.rid, None)
+        if self.spec is not None:
+            self.spec.release(req)
         req.output_counts = req.seen_mask = req.stop_text = None
 
     # -- books ----------------------------------------------------------------------------------
@@ -503,6 +510,8 @@ class EngineCore:
         self.scheduler.check_integrity()
         if not self.scheduler.has_work() and not self.compiling:
             assert not self.requests, f"requests left in the table: {list(self.requests)[:5]}"
+            if self.spec is not None:
+                self.spec.check_integrity()
 
     def stats(self) -> dict:
         pool = self.pool

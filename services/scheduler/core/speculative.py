@@ -35,7 +35,7 @@ from services.scheduler.core.proposer import NgramProposer, Proposer, TokenView
 from services.scheduler.core.request import Request, Status
 from services.scheduler.core.sampler import needs_counts
 
-ALGORITHMS = ("NGRAM",)
+ALGORITHMS = ("NGRAM", "STANDALONE")
 
 
 @dataclass
@@ -102,8 +102,36 @@ class Speculator:
     def propose(self, running: list[Request]) -> None:
         """Set `draft_ids` of each running request that decodes (empty for the rest)."""
         active = len(running) <= self.config.disable_by_batch_size
+        drafting, ks = [], []
         for req in running:
-            req.draft_ids = self._drafts(req) if active and self._may_draft(req) else []
+            req.draft_ids = []
+            k = self._budget(req) if active and self._may_draft(req) else 0
+            if k > 0:
+                drafting.append(req)
+                ks.append(k)
+        if not drafting:
+            return
+        if hasattr(self.proposer, "propose_batch"):  # a draft model: one forward per draft
+            proposals = self.proposer.propose_batch(drafting, ks)
+        else:
+            proposals = [self._propose_one(req, k) for req, k in zip(drafting, ks, strict=True)]
+        for req, drafts in zip(drafting, proposals, strict=True):
+            if drafts and req.matcher is not None:
+                drafts = grammar_prefix(req, drafts)
+            req.draft_ids = drafts
+
+    def check_integrity(self) -> None:
+        """Idle: a draft model's KV pool holds nothing."""
+        pool = getattr(self.proposer, "pool", None)
+        if pool is not None:
+            pool.check_integrity()
+            assert pool.num_used == 0, f"{pool.num_used} draft KV blocks held while idle"
+
+    def release(self, req: Request) -> None:
+        """The request has left: its proposer state goes (a draft model's KV blocks)."""
+        if hasattr(self.proposer, "release"):
+            self.proposer.release(req)
+        req.proposer_state = None
 
     def _may_draft(self, req: Request) -> bool:
         """Decoding, and nothing about it that verification would have to replay per row:
@@ -111,21 +139,18 @@ class Speculator:
         return (req.status is Status.RUNNING and req.num_to_compute == 1
                 and req.num_computed >= len(req.prompt_ids) and not needs_counts(req.params))
 
-    def _drafts(self, req: Request) -> list[int]:
-        # never past what the request may still emit (the token after the drafts is emitted
-        # too), nor past the context
+    def _budget(self, req: Request) -> int:
+        """Drafts the request may take: never past what it may still emit (the token after
+        the drafts is emitted too), nor past the context."""
         limit = req.params.max_new_tokens
         left = (limit - req.num_generated if limit is not None else self.max_model_len) - 1
-        k = min(self.config.num_draft_tokens, left, self.max_model_len - req.num_tokens - 1)
-        if k < 1:
-            return []
+        return min(self.config.num_draft_tokens, left, self.max_model_len - req.num_tokens - 1)
+
+    def _propose_one(self, req: Request, k: int) -> list[int]:
         if req.proposer_state is None:
             req.proposer_state = self.proposer.new_state()
-        drafts = self.proposer.propose(TokenView(req.prompt_ids, req.output_ids), k,
-                                       req.proposer_state)
-        if drafts and req.matcher is not None:
-            drafts = grammar_prefix(req, drafts)
-        return drafts
+        return self.proposer.propose(TokenView(req.prompt_ids, req.output_ids), k,
+                                     req.proposer_state)
 
     def record(self, drafted: int, accepted: int) -> None:
         self.stats.record(drafted, accepted)

@@ -399,8 +399,9 @@ def _token_slice(req: Sequence, begin: int, end: int) -> list[int]:
     """(prompt + output + drafts)[begin:end] without building the whole list."""
     n = len(req.prompt_ids)
     total = n + len(req.output_ids)
-    if end > total:  # a verify: the last output token, then the drafts
-        return _token_slice(req, begin, total) + req.draft_ids[: end - total]
+    if end > total:  # a verify (the last output token, then drafts), or a draft's own step
+        head = _token_slice(req, begin, total) if begin < total else []
+        return head + req.draft_ids[max(begin, total) - total: end - total]
     if begin >= n:
         return req.output_ids[begin - n : end - n]
     if end <= n:

@@ -1,0 +1,185 @@
+"""A draft model for speculative decoding (SGLang's STANDALONE, vLLM's draft_model).
+
+A second, smaller model with the target's vocabulary proposes each decoding request's next k
+tokens greedily (deterministic drafts: verification stays exact, `speculative.py`). It keeps
+its own paged KV: a pool of its own blocks, one `DraftSeq` per request (on the request, as its
+proposer state), released when the request ends.
+
+Each step, for the requests that draft:
+
+    draft KV valid up to  min(seq.num_computed, req.num_computed)   (accepted tokens kept)
+    forward 1: catch up   tokens [valid, len(tokens)): the last verified token, or the
+                          prompt on a request's first draft (in chunks), logits of the last
+    forwards 2..k:        one token each, the draft just proposed, at the next position
+
+Rejected drafts' KV lies past the valid end and is overwritten, as in the target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.config import ServerArgs
+from common.logging import get_logger
+from common.modelstore import gguf_source, prepare_model
+from services.scheduler.core.kv_pool import BlockPool
+from services.scheduler.core.request import Request
+from services.scheduler.core.sampler import argmax
+from services.scheduler.executor.model_runner import ModelRunner
+
+log = get_logger("draft")
+
+CATCH_UP_CHUNK = 512  # most prompt tokens a request's draft catches up on in one step
+
+
+@dataclass(eq=False)
+class DraftSeq:
+    """One request as the draft model sees it (the runner's Sequence protocol)."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    draft_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+
+
+class DraftModelProposer:
+    def __init__(self, runner: ModelRunner, target_vocab_size: int) -> None:
+        if runner.vocab_size != target_vocab_size:
+            raise ValueError(
+                f"--speculative-draft-model-path: the draft model's vocabulary has "
+                f"{runner.vocab_size} tokens, the target's {target_vocab_size}: a draft must "
+                "share the target's tokenizer")
+        self.runner = runner
+        self.pool = BlockPool(runner.num_blocks, runner.page_size, enable_prefix_cache=False)
+        self.page_size = runner.page_size
+
+    def new_state(self) -> None:
+        return None  # made on the request's first draft, with its lists
+
+    def propose(self, tokens, k: int, state=None) -> list[int]:
+        raise NotImplementedError("the draft model proposes for a batch: propose_batch")
+
+    @torch.inference_mode()
+    def propose_batch(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] greedy drafts for each request (none for one still catching up)."""
+        seqs, ns = [], []
+        for req, k in zip(reqs, ks, strict=True):
+            seq = self._seq(req)
+            seq.num_computed = min(seq.num_computed, req.num_computed)
+            seq.draft_ids = []
+            n = min(req.num_tokens - seq.num_computed, CATCH_UP_CHUNK)
+            if not self._reserve(seq, seq.num_computed + n + k - 1):
+                n = 0
+            seqs.append(seq)
+            ns.append(n)
+        live = [i for i, n in enumerate(ns) if n]
+        drafts: list[list[int]] = [[] for _ in reqs]
+        if not live:
+            return drafts
+        # forward 1: catch up; a request whose catch-up is not over yet drafts next step
+        ready = [i for i in live if seqs[i].num_computed + ns[i] == reqs[i].num_tokens]
+        logits = self.runner.forward([seqs[i] for i in live], [ns[i] for i in live],
+                                     [int(i in ready) for i in live])
+        for i in live:
+            seqs[i].num_computed += ns[i]
+        if not ready:
+            return drafts
+        for i, token in zip(ready, argmax(logits).tolist(), strict=True):
+            drafts[i].append(token)
+        for _ in range(1, max((ks[i] for i in ready), default=0)):
+            going = [i for i in ready if len(drafts[i]) < ks[i]]
+            if not going:
+                break
+            for i in going:
+                seqs[i].draft_ids = drafts[i][:-1]  # the runner reads the newest as input
+            logits = self.runner.forward([_Step(seqs[i], drafts[i][-1]) for i in going],
+                                         [1] * len(going), [1] * len(going))
+            for i, token in zip(going, argmax(logits).tolist(), strict=True):
+                seqs[i].num_computed += 1
+                drafts[i].append(token)
+        return drafts
+
+    def _seq(self, req: Request) -> DraftSeq:
+        if req.proposer_state is None:
+            req.proposer_state = DraftSeq(req.prompt_ids, req.output_ids)
+        return req.proposer_state
+
+    def _reserve(self, seq: DraftSeq, tokens: int) -> bool:
+        """Blocks for the draft's KV up to `tokens` positions; False if the pool is short."""
+        need = -(-tokens // self.page_size) - len(seq.block_table)
+        if need <= 0:
+            return True
+        if need > self.pool.num_evictable:
+            return False
+        seq.block_table += self.pool.allocate(need)
+        return True
+
+    def release(self, req: Request) -> None:
+        seq = req.proposer_state
+        if isinstance(seq, DraftSeq) and seq.block_table:
+            self.pool.release(seq.block_table)
+            seq.block_table = []
+            seq.num_computed = 0
+
+
+@dataclass(eq=False)
+class _Step:
+    """A draft step's view: the request's tokens and drafts so far, the newest as input."""
+
+    seq: DraftSeq
+    newest: int
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.seq.prompt_ids
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.seq.output_ids
+
+    @property
+    def draft_ids(self) -> list[int]:
+        return [*self.seq.draft_ids, self.newest]
+
+    @property
+    def num_computed(self) -> int:
+        return self.seq.num_computed
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.seq.block_table
+
+
+def draft_proposer(args: ServerArgs, target: ModelRunner, target_tokenizer: Path,
+                   max_model_len: int) -> DraftModelProposer:
+    """Load --speculative-draft-model-path beside the target: same device, dtype and page
+    size, a KV pool of the target's token count (its bytes on top: the start-up log says)."""
+    path = prepare_model(args.speculative_draft_model_path, args.cache_dir)
+    check_same_vocabulary(path / "tokenizer.json", target_tokenizer,
+                          args.speculative_draft_model_path)
+    runner = ModelRunner(
+        path, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
+        page_size=args.page_size, max_total_tokens=target.num_blocks * target.page_size,
+        max_model_len=max_model_len,
+        gguf_path=gguf_source(args.speculative_draft_model_path))
+    log.info(f"draft model {path.name}: {runner.num_parameters / 1e6:.0f}M parameters, "
+             f"its own KV cache of {runner.kv_bytes / (1 << 30):.2f} GiB")
+    return DraftModelProposer(runner, target.vocab_size)
+
+
+def check_same_vocabulary(draft: Path, target: Path, flag_value: str) -> None:
+    """A draft proposes token ids: they must mean the target's tokens (a ValueError naming
+    both vocabularies otherwise)."""
+    from tokenizers import Tokenizer
+
+    ours, theirs = Tokenizer.from_file(str(target)), Tokenizer.from_file(str(draft))
+    if ours.get_vocab(with_added_tokens=True) != theirs.get_vocab(with_added_tokens=True):
+        raise ValueError(
+            f"--speculative-draft-model-path {flag_value}: its vocabulary "
+            f"({theirs.get_vocab_size(with_added_tokens=True)} tokens) is not the target's "
+            f"({ours.get_vocab_size(with_added_tokens=True)} tokens, {target.parent.name}): a "
+            "draft must share the target's tokenizer")
