@@ -8,6 +8,8 @@ without speculation in this process.
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 import requests
@@ -88,10 +90,19 @@ def test_acceptance_reaches_metrics_and_server_info(stack, client):
                    model_name="tiny", position="0")
     assert metric(text, "tokenline:spec_decode_num_drafts_total", model_name="tiny") > 0
     assert 0 < accepted <= drafts and 0 < first <= accepted
-    info = requests.get(stack.url + "/get_server_info", timeout=10).json()
-    spec = info["speculative"]
+    spec = _server_info_after_a_heartbeat(stack.url)
     assert spec["algorithm"] == "NGRAM" and spec["num_draft_tokens"] == 3
     assert 0 < spec["acceptance_rate"] <= 1
+
+
+def _server_info_after_a_heartbeat(url: str) -> dict:
+    """The scheduler's speculative settings and acceptance once a heartbeat carried some."""
+    deadline = time.monotonic() + 10
+    while True:
+        spec = requests.get(url + "/get_server_info", timeout=10).json()["speculative"]
+        if spec["acceptance_rate"] > 0 or time.monotonic() > deadline:
+            return spec
+        time.sleep(0.1)
 
 
 def test_books_balance(stack):
@@ -110,3 +121,17 @@ def test_bench_serve_reports_the_acceptance_rate(stack):
     assert result["spec_draft_tokens"] > 0
     assert 0 < result["spec_acceptance_rate"] <= 1
     assert "Draft acceptance rate:" in format_result(result)
+
+
+def test_a_draft_model_serves_the_same_text(tiny_model_dir, reference):
+    """`--speculative-algorithm STANDALONE`: the scheduler loads the draft beside the target."""
+    want = reference(max_tokens=32, temperature=0.0, ignore_eos=True)[0]
+    with tiny_stack(tiny_model_dir, "--speculative-algorithm", "STANDALONE",
+                    "--speculative-draft-model-path", str(tiny_model_dir)) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0)
+        got = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=32,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        assert got.choices[0].text == want.text
+        info = _server_info_after_a_heartbeat(s.url)
+        assert info["algorithm"] == "STANDALONE" and info["acceptance_rate"] == 1.0
+        assert_books_balance(s.url)
