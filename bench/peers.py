@@ -138,8 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, help="only the first N requests")
     p.add_argument("--model", help="GGUF file for every server (default: SmolLM2's); with "
                    "--peer vllm also a transformers directory")
-    p.add_argument("--peer", choices=("llama-server", "vllm"), default="llama-server",
-                   help="the engine to run beside ours (default llama-server)")
+    p.add_argument("--peer", choices=("llama-server", "vllm", "none"), default="llama-server",
+                   help="the engine to run beside ours (default llama-server; none: ours alone, "
+                   "with --tokenline-baseline)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="--peer vllm: the dtype of both vLLM and ours (default float32)")
     p.add_argument("--llama-server", help="path of llama-server (default $LLAMA_SERVER, PATH)")
@@ -176,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _peer_systems(args: argparse.Namespace, parser: argparse.ArgumentParser,
                   model: Path) -> list[tuple[str, Any]]:
     """(name, make server) for each peer run beside ours."""
+    if args.peer == "none":
+        return []
     if args.peer == "vllm":
         from common.modelstore import prepare_model
 
