@@ -81,14 +81,14 @@ class DecodeProbe:
         self.req = Request(rid="r", prompt_ids=list(range(1000, 1000 + context)),
                            params=SamplingParams())
         self.req.block_table = list(range(self.runner.num_blocks))
-        self.runner.forward([self.req], [context], [0])
+        self.runner.forward([self.req], [context], [1])
         self.req.num_computed = context
         self.times: list[float] = []
 
     def step(self) -> None:
         self.req.output_ids.append(1234)
         t0 = time.perf_counter()
-        self.runner.forward([self.req], [1], [0])
+        self.runner.forward([self.req], [1], [1])
         self.times.append(time.perf_counter() - t0)
         self.req.num_computed += 1
 

@@ -200,7 +200,7 @@ def _time_sides(runner, sides: dict, chunks, rounds: int,
             spent[0] = 0.0
             t = time.perf_counter()
             for reqs, new in chunks:
-                runner.forward(reqs, new, [0])
+                runner.forward(reqs, new, [1] + [0] * (len(reqs) - 1))
             if r:  # the first round warms up
                 seen[side].append((time.perf_counter() - t, spent[0]))
     runner.backend.use_native_prefill, runner.backend.sdpa = True, route

@@ -204,7 +204,7 @@ def _step_fn(runner, kind: str) -> Callable[[], object]:
             for r, n in zip(reqs, new, strict=True)]
 
     def step():
-        logits = runner.forward(reqs, new, list(range(len(reqs))))
+        logits = runner.forward(reqs, new, [1] * len(reqs))
         return sampler.sample(logits, rows)  # looked up here: _Labels wraps it
     return step
 

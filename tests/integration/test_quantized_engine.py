@@ -99,3 +99,16 @@ def test_dequantize_on_load_gives_the_kernels_numbers(tiny_model_dir, mode):
     torch.testing.assert_close(plain.embed(ids), packed.embed(ids))
     h = torch.randn(2, config["hidden_size"])
     torch.testing.assert_close(plain.logits(h), packed.logits(h), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_a_chunked_prompt_runs_steps_without_logits(tiny_model_dir, mode):
+    """A prompt longer than the chunk runs steps that sample nothing: the lm_head gets no rows.
+    The C++ kernels assume at least one row (an AVX2 build crashed the process on none)."""
+    from common.messages import TokenizedReq
+
+    engine = EngineCore(engine_args(tiny_model_dir, quantization=mode, chunked_prefill_size=16))
+    params = SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)
+    got, _, steps = run_engine(engine, [TokenizedReq(
+        rid="long", gateway_id="g", input_ids=list(range(1000, 1050)), params=params)])
+    assert len(got["long"]) == 3 and steps == 4 + 2  # 4 prefill chunks, 2 more decodes

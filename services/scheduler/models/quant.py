@@ -103,6 +103,8 @@ def _native_matmul(fn, x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tenso
                    k: int) -> torch.Tensor:
     """x [..., k] (float32 or bfloat16) through a C++ kernel; the result in x's dtype."""
     kp = scales.shape[1] * GROUP
+    if x.numel() == 0:  # no rows (a step without logits): the kernels assume at least one
+        return x.new_zeros(*x.shape[:-1], n)
     if x.dim() == 2 and kp == k and x.dtype == torch.float32 and x.is_contiguous():
         return fn(x, tiles, scales, n)  # a decoder's own case: no reshape, pad or view to run
     x2 = x.reshape(-1, k)
