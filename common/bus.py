@@ -28,6 +28,8 @@ class Bus:
         self.on_connection_change: list[Callable[[bool], None]] = []
         self._handling: set[asyncio.Task] = set()  # handlers of unordered subscriptions
         self._unordered: list = []  # their subscriptions, drained first on close
+        self.reconnects = 0  # times the client came back, to the same node or another one
+        self.rtt = 0.0  # seconds of the last PING/PONG with the node this client is on
 
     async def connect(self, attempts: int = 120) -> None:
         """Connect, retrying while the server is not up yet (services may start first)."""
@@ -35,6 +37,9 @@ class Bus:
             # several seeds of a NATS cluster: comma-separated (the client learns the rest)
             servers=[u.strip() for u in (self.args.nats_url or "nats://127.0.0.1:4222").split(",")],
             name=self.name,
+            # shuffled (nats-py's default): the services spread over the nodes, so one node's
+            # death moves a share of them, not all
+            dont_randomize=False,
             allow_reconnect=True,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.25,
@@ -67,7 +72,9 @@ class Bus:
         self._notify(False)
 
     async def _on_reconnect(self) -> None:
-        log.info("nats reconnected")
+        self.reconnects += 1
+        log.info("nats reconnected", server=str(self.nc.connected_url.netloc)
+                 if self.nc is not None and self.nc.connected_url else None)
         self._notify(True)
 
     def _notify(self, up: bool) -> None:
@@ -76,6 +83,22 @@ class Bus:
                 callback(up)
             except Exception:  # noqa: BLE001
                 log.exception("connection callback failed")
+
+    async def measure_rtt(self) -> None:
+        """A PING/PONG with our node: the round trip each hop through NATS pays twice (sender
+        to its node, receiver from its node), plus a route when they are on different nodes.
+
+        Never with a short timeout: nats-py cancels the PONG's future on a timeout, and the
+        late PONG then ends the client's read loop (InvalidStateError): it hears nothing until
+        its own pings find the connection stale, 15 s later (a leak in test_faults on a loaded
+        machine). A PONG missing for 30 s means a dead connection, which those pings find first
+        and replace, forgetting the futures of the old one."""
+        if not self.connected:
+            return
+        try:
+            self.rtt = await self.nc.rtt(timeout=30)  # type: ignore[union-attr]
+        except nats.errors.Error:
+            pass  # cut off meanwhile: the reconnect count says so
 
     @property
     def connected(self) -> bool:

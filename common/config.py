@@ -27,6 +27,10 @@ class ServerArgs:
     served_model_name: str | None = _flag(None, "model name in the API (default: from --model)")
     nats_url: str | None = _flag(None, "NATS server URL, comma-separated for several seeds of a "
                                  "cluster (serve: embedded server if unset)")
+    nats_cluster: int = _flag(1, "serve: how many local nats-server nodes to start, routed into "
+                              "one cluster and each supervised; every service gets all their "
+                              "URLs and fails over between them (1: one embedded server; not "
+                              "with --nats-url)")
     nats_user: str | None = _flag(None, "NATS user")
     nats_password: str | None = _flag(None, "NATS password")
     nats_token: str | None = _flag(None, "NATS token")

@@ -140,6 +140,9 @@ class TokenOut(msgspec.Struct, omit_defaults=True):
     gateway_id: str
     token_ids: list[int]
     finish: Finish | None = None
+    # output tokens of this request reported before these (resumed ones' included): a receiver
+    # whose count differs lost a message on a NATS node that died (None: not checked)
+    offset: int | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -169,6 +172,7 @@ class TextOut(msgspec.Struct, omit_defaults=True):
     text: str
     token_ids: list[int]
     finish: Finish | None = None
+    offset: int | None = None  # as TokenOut's; the gateway resumes a request whose count differs
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -292,6 +296,8 @@ class StatsOut(msgspec.Struct, tag=True, omit_defaults=True):
     instance_id: str
     time: float
     in_flight: int = 0
+    nats_reconnects: int = 0  # times this service's NATS client came back after a drop
+    nats_rtt_s: float = 0.0  # its last PING/PONG with its NATS node
     # scheduler only
     num_running: int = 0
     num_waiting: int = 0

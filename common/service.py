@@ -37,7 +37,8 @@ class Service:
         """Subscribe to subjects (after the bus is connected)."""
 
     def stats(self) -> StatsOut:
-        return StatsOut(service=self.name, instance_id=self.instance_id, time=time.time())
+        return StatsOut(service=self.name, instance_id=self.instance_id, time=time.time(),
+                        nats_reconnects=self.bus.reconnects, nats_rtt_s=self.bus.rtt)
 
     async def _heartbeat(self) -> None:
         subject = self.subjects.stats(self.name, self.instance_id)
@@ -48,6 +49,13 @@ class Service:
                     Path(self.args.health_file).touch()
             except Exception as exc:  # noqa: BLE001 - e.g. while NATS reconnects
                 log.debug("heartbeat failed", error=str(exc))
+            await asyncio.sleep(self.args.stats_interval)
+
+    async def _measure_rtt(self) -> None:
+        """The round trip to our NATS node, for the heartbeat (apart from it: a slow PONG must
+        not delay a heartbeat)."""
+        while True:
+            await self.bus.measure_rtt()
             await asyncio.sleep(self.args.stats_interval)
 
     def spawn(self, coro: Awaitable) -> asyncio.Task:
@@ -76,6 +84,7 @@ class Service:
         await self.bus.connect()
         await self.setup()
         self.spawn(self._heartbeat())
+        self.spawn(self._measure_rtt())
         log.info(f"{self.name} ready", instance_id=self.instance_id)
         await self._stop.wait()
         await self.shutdown()

@@ -18,6 +18,7 @@ BENCH = {
     "peers": "bench.peers",
     "quality": "bench.quality",
     "profile": "bench.step_profile",
+    "nats": "bench.nats_cluster",
 }
 
 USAGE = """usage: tokenline COMMAND [ARGS]
@@ -30,6 +31,7 @@ commands:
   bench peers      our whole stack against llama.cpp's llama-server, in one run
   bench quality    perplexity and KL against float32 per --quantization, on a fixed text
   bench profile    one decode and prefill step split into matmuls, attention, norms, Python
+  bench nats       one embedded NATS node against a 3-node cluster: throughput, TTFT, ratios
   simulate         step simulator of static, dynamic and continuous batching
   plan             memory planner: weights, KV pool, concurrency
 """
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
         if not rest or rest[0] not in BENCH:
-            print("usage: tokenline bench {serve,offline,roofline,peers,quality,profile} ...",
+            print("usage: tokenline bench {serve,offline,roofline,peers,quality,profile,nats} ...",
                   file=sys.stderr)
             return 2
         module, rest = BENCH[rest[0]], rest[1:]

@@ -21,6 +21,7 @@ from common.messages import (
     Message,
     StatsOut,
     TextOut,
+    TokenOut,
 )
 from common.modelstore import model_info, prepare_model
 from common.service import Service
@@ -36,6 +37,7 @@ class Decoding:
 
     text: IncrementalText
     last_seen: float
+    count: int = 0  # output tokens decoded (resumed ones' included): where the next must start
 
 
 class DetokenizerService(Service):
@@ -57,7 +59,6 @@ class DetokenizerService(Service):
         await self.bus.subscribe(self.subjects.abort, self.on_abort)
         self.traced = tracing.enabled()
         self.spawn(self._sweep())
-        self.bus.on_connection_change.append(self._on_nats_connection)
 
     def stats(self) -> StatsOut:
         s = super().stats()
@@ -86,37 +87,52 @@ class DetokenizerService(Service):
         now = time.monotonic()
         arrived = tracing.now_ns() if self.traced else 0
         for item in msg.items:
-            key = (item.rid, msg.scheduler_id)
-            state = self.states.get(key)
-            if state is None or item.prior_ids is not None:
-                # A resumed request decodes its earlier tokens again (a fresh DecodeStream has
-                # no left context); the text restarts from the beginning, the gateway trims it.
-                state = Decoding(IncrementalText(
-                    self.tokenizer, item.stop, item.skip_special_tokens,
-                    item.include_stop_str_in_output, prior=item.prior_ids or []), now)
-                self.states[key] = state
-            state.text.push(item.token_ids)
-            state.last_seen = now
-            text = state.text.take_output(item.finish)
-            if item.finish is not None:
-                del self.states[key]
-            by_gateway[item.gateway_id].append(TextOut(
-                rid=item.rid,
-                text=text,
-                token_ids=item.token_ids,
-                finish=item.finish,
-                prompt_tokens=item.prompt_tokens,
-                completion_tokens=item.completion_tokens,
-                cached_tokens=item.cached_tokens,
-                logprobs=item.logprobs,
-                scheduler_id=msg.scheduler_id,
-                queue_time=item.queue_time,
-                retractions=item.retractions,
-            ))
+            out = self._decode(item, msg.scheduler_id, now)
+            by_gateway[item.gateway_id].append(out)
         for gateway_id, items in by_gateway.items():
             await self.bus.publish(self.subjects.gateway(gateway_id), BatchTextOut(items=items))
         if self.traced and (headers or self.spans):
             self._trace(msg, headers, arrived)
+
+    def _decode(self, item: TokenOut, scheduler_id: str, now: float) -> TextOut:
+        """The item's text, or, when a message before it was lost (a NATS node died with it),
+        no text and its offset: the gateway sees the count is off and resumes the request."""
+        key = (item.rid, scheduler_id)
+        state = self.states.get(key)
+        if state is None or item.prior_ids is not None:
+            # A resumed request decodes its earlier tokens again (a fresh DecodeStream has
+            # no left context); the text restarts from the beginning, the gateway trims it.
+            prior = item.prior_ids or []
+            state = Decoding(IncrementalText(
+                self.tokenizer, item.stop, item.skip_special_tokens,
+                item.include_stop_str_in_output, prior=prior), now, len(prior))
+            self.states[key] = state
+        if item.offset is not None and item.offset != state.count:
+            del self.states[key]  # the text cannot go on without the tokens that were lost
+            log.warning("output lost on the way here", rid=item.rid, expected=state.count,
+                        got=item.offset)
+            return TextOut(rid=item.rid, text="", token_ids=[], offset=item.offset,
+                           scheduler_id=scheduler_id)
+        state.text.push(item.token_ids)
+        state.count += len(item.token_ids)
+        state.last_seen = now
+        text = state.text.take_output(item.finish)
+        if item.finish is not None:
+            del self.states[key]
+        return TextOut(
+            rid=item.rid,
+            text=text,
+            token_ids=item.token_ids,
+            finish=item.finish,
+            offset=item.offset,
+            prompt_tokens=item.prompt_tokens,
+            completion_tokens=item.completion_tokens,
+            cached_tokens=item.cached_tokens,
+            logprobs=item.logprobs,
+            scheduler_id=scheduler_id,
+            queue_time=item.queue_time,
+            retractions=item.retractions,
+        )
 
     def _trace(self, msg: BatchTokenOut, headers: dict[str, str], arrived: int) -> None:
         """Open a request's span at its first output, under the context the scheduler put in
@@ -136,20 +152,6 @@ class DetokenizerService(Service):
             attrs = ({} if completion_tokens is None
                      else {tracing.USAGE_OUTPUT_TOKENS: completion_tokens})
             tracing.end_with_finish(span, finish, attributes=attrs)
-
-    def _on_nats_connection(self, up: bool) -> None:
-        """Back from a NATS outage: output sent here meanwhile is lost, so no text held here can
-        go on without a gap. Forget it all and abort those requests (their end still reaches
-        the gateway; one that was cut off too has failed them already)."""
-        if up and self.states:
-            rids = sorted({rid for rid, _ in self.states})
-            log.warning("forgetting requests after a NATS outage", requests=len(rids))
-            self.states.clear()
-            self.spawn(self._abort(rids, "the detokenizer lost its connection to NATS"))
-
-    async def _abort(self, rids: list[str], reason: str) -> None:
-        for rid in rids:
-            await self.bus.publish(self.subjects.abort, AbortReq(rid=rid, reason=reason))
 
     async def _sweep(self) -> None:
         """Drop state of requests nobody has sent tokens for in a long time (a dead scheduler)."""

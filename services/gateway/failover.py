@@ -2,14 +2,18 @@
 moving or failing the requests it held.
 
 A dead scheduler's requests move to live ones (or fail with a 503 when none is left), a dead
-tokenizer's unaccepted requests fail at once, and a gateway cut off from NATS fails all of its
-own. Every failure is a 503 the client may retry (`docs/reliability.md`).
+tokenizer's unaccepted requests fail at once. A NATS node that dies may take messages in flight
+with it (core NATS delivers at most once): a request whose output then skips tokens, or that
+hears nothing for RESUME_AFTER_S after a reconnect anywhere, resumes the same way, after the
+tokens its client has. Only a gateway cut off from NATS for --heartbeat-timeout fails its
+requests. Every failure is a 503 the client may retry (`docs/reliability.md`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -28,6 +32,11 @@ log = get_logger("gateway")
 
 T = TypeVar("T")
 TOKENIZER_WAIT_S = 1.0  # a request waits this long for a tokenizer (one restarting) before 503
+# After a reconnect anywhere, a request silent this long lost its output on the way (a decode
+# step of the tiny model under load is tens of ms, of SmolLM2 on 2 cores ~0.1 s): resuming one
+# that was only slow costs a recompute of its prefix, never a wrong token.
+RESUME_AFTER_S = 1.0
+WATCH_TICK_S = 0.1
 
 
 class Failover:
@@ -39,6 +48,10 @@ class Failover:
         self.tracker = tracker
         self.probe = probe  # the message a probe sends (our heartbeat, which schedulers ignore)
         self.timeout = timeout  # --heartbeat-timeout
+        self.resumed: Counter[str] = Counter()  # requests moved or resumed, by why
+        self.cut_since: float | None = None  # when this gateway lost NATS (None: connected)
+        self.gaps: dict[str, SubRequest] = {}  # rid -> a request whose output skipped tokens
+        tracker.on_gap = lambda sub: self.gaps.setdefault(sub.msg.rid, sub)
 
     async def submit(self, msg: GenerateReq, headers: dict[str, str]) -> str:
         """Hand a request to a tokenizer and return the id of the one that took it.
@@ -116,14 +129,18 @@ class Failover:
         for sub in victims:
             target = min(load, key=load.__getitem__)
             load[target] += 1
-            await self._move(sub, scheduler_id, target)
+            await self._move(sub, target, "scheduler_lost")
 
-    async def _move(self, sub: SubRequest, dead: str, target: str) -> None:
-        await self.bus.publish(self.subjects.abort, AbortReq(
-            rid=sub.msg.rid, scheduler_id=dead, reason="moved to another scheduler"))
+    async def _move(self, sub: SubRequest, target: str | None, why: str) -> None:
+        """Resume `sub` on `target` (None: any scheduler) after the tokens its client has; the
+        copy it leaves is aborted by its own rid (`Tracker.move`), wherever it still runs."""
+        old = sub.msg.rid
         msg = self.tracker.move(sub, target)
+        self.resumed[why] += 1
+        await self.bus.publish(self.subjects.abort, AbortReq(rid=old, reason=f"resumed ({why})"))
         request_logger(msg.rid, tracing.trace_id(sub.headers)).info(
-            "request moved", scheduler_id=target, resumed_after=len(msg.output_ids))
+            "request moved", scheduler_id=target, resumed_after=len(msg.output_ids), why=why,
+            replaces=old)
         try:
             sub.tokenizer_id = await self.submit(msg, sub.headers)
         except APIError as exc:
@@ -147,17 +164,55 @@ class Failover:
 
     # -- NATS -----------------------------------------------------------------------------------
     def on_connection(self, up: bool) -> None:
-        """Cut off from NATS, the gateway cannot tell what its requests' outputs were (core NATS
-        delivers at most once: a stream would go on with a silent gap), so each fails now with
-        a 503."""
+        """Cut off, the gateway keeps its streams: the client's NATS fails over to another node
+        (or the same one, restarted) within a second, and `watch` then resumes what lost output
+        on the way. Only a cut longer than --heartbeat-timeout fails them (`watch`)."""
+        now = time.monotonic()
         if up:
-            return
-        victims = self.tracker.unfinished()
-        if victims:
-            log.warning("NATS connection lost", requests=len(victims))
-        self.fail_unavailable(victims, "nats_disconnected",
-                              "the gateway lost its connection to NATS while this request ran; "
-                              "retry shortly")
+            self.cut_since = None
+            self.suspect_all(now)
+        elif self.cut_since is None:
+            self.cut_since = now
+            log.warning("NATS connection lost; in-flight requests wait for the reconnect",
+                        requests=len(self.tracker.unfinished()))
+
+    def suspect_all(self, now: float) -> None:
+        """A NATS client reconnected (ours or a peer's): output on the way then may be lost."""
+        for sub in self.tracker.unfinished():
+            if sub.suspect_since is None:
+                sub.suspect_since = now
+
+    async def watch(self) -> None:
+        """Resume each request whose output skipped tokens or stalled after a reconnect; fail
+        them all when this gateway stays cut off from NATS."""
+        while True:
+            await asyncio.sleep(WATCH_TICK_S)
+            now = time.monotonic()
+            if not self.bus.connected:
+                if self.cut_since is not None and now - self.cut_since > self.timeout:
+                    self.cut_since = now  # what comes in meanwhile is failed in its turn
+                    self.fail_unavailable(self.tracker.unfinished(), "nats_disconnected",
+                                          "the gateway lost its connection to NATS while this "
+                                          "request ran; retry shortly")
+                continue
+            gaps, self.gaps = self.gaps, {}
+            for sub in self.tracker.unfinished():
+                if sub.msg.rid in gaps:
+                    await self._resume(sub, "gap")
+                elif sub.suspect_since is not None and \
+                        now - max(sub.heard, sub.suspect_since) > RESUME_AFTER_S:
+                    await self._resume(sub, "stalled")
+
+    async def _resume(self, sub: SubRequest, why: str) -> None:
+        """On the scheduler it ran on (its prefix is cached there) if that one lives."""
+        alive = self.peers.load("scheduler")
+        target = sub.scheduler_id if sub.scheduler_id in alive else (
+            min(alive, key=alive.__getitem__) if alive else None)
+        try:
+            await self._move(sub, target, why)
+        except Exception:  # noqa: BLE001 - e.g. cut off again: the watcher goes on regardless
+            log.exception("resuming a request failed", rid=sub.msg.rid, why=why)
+            sub.suspect_since = time.monotonic()  # tried again once RESUME_AFTER_S has passed
 
     def fail_unavailable(self, subs: list[SubRequest], code: str, message: str) -> None:
         """End each of `subs` with a 503 the client may retry."""

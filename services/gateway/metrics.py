@@ -12,6 +12,8 @@ instances, read at scrape time.
 from __future__ import annotations
 
 import time
+from collections import Counter as PyCounter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -25,6 +27,10 @@ if TYPE_CHECKING:
     from services.gateway.tracker import SubRequest, Tracker
 
 P = "tokenline:"
+ROUTE_REASONS = ("queue_group", "cache_hit", "cache_miss", "imbalance", "round_robin",
+                 "shortest_queue", "fallback")
+SERVICES = ("gateway", "tokenizer", "scheduler", "detokenizer")
+RESUME_REASONS = ("gap", "stalled", "scheduler_lost")  # failover.py's
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
 
@@ -90,17 +96,7 @@ class _SchedulerCollector:
             c.add_metric([self.model_name],
                          sum(getattr(s, field) for s in self.peers.known("scheduler")))
             yield c
-        decisions = CounterMetricFamily(P + "router_decisions", "Requests routed to a "
-                                        "scheduler, by reason (cache_hit, cache_miss, "
-                                        "imbalance, fallback, queue_group, ...).",
-                                        labels=["model_name", "reason"])
-        by_reason: dict[str, int] = {}
-        for s in self.peers.known("tokenizer"):
-            for reason, n in (s.route_decisions_total or {}).items():
-                by_reason[reason] = by_reason.get(reason, 0) + n
-        for reason, n in sorted(by_reason.items()):
-            decisions.add_metric([self.model_name, reason], n)
-        yield decisions
+        yield self._router_decisions()
         yield self._compile_times()
         yield self._accepted_per_pos()
         inflight = GaugeMetricFamily(P + "requests_in_flight",
@@ -122,6 +118,21 @@ class _SchedulerCollector:
                               info.get("device", "")], 1)
         yield setup
 
+    def _router_decisions(self) -> CounterMetricFamily:
+        decisions = CounterMetricFamily(P + "router_decisions", "Requests routed to a "
+                                        "scheduler, by reason (cache_hit, cache_miss, "
+                                        "imbalance, fallback, queue_group, ...).",
+                                        labels=["model_name", "reason"])
+        by_reason: dict[str, int] = {}
+        for s in self.peers.known("tokenizer"):
+            for reason, n in (s.route_decisions_total or {}).items():
+                by_reason[reason] = by_reason.get(reason, 0) + n
+        # every reason from the start, at 0: a fresh server serves what the dashboard queries
+        for reason in ROUTE_REASONS:
+            by_reason.setdefault(reason, 0)
+        for reason, n in sorted(by_reason.items()):
+            decisions.add_metric([self.model_name, reason], n)
+        return decisions
 
     def _accepted_per_pos(self) -> CounterMetricFamily:
         """Accepted drafts by their position in the proposal (vLLM's per-position counter)."""
@@ -155,8 +166,49 @@ class _SchedulerCollector:
         return h
 
 
+class _FailoverCollector:
+    """NATS reconnects and round trips by service (the gateway's own client, the others'
+    heartbeats; dead instances' last reconnect count too) and requests resumed, by why."""
+
+    def __init__(self, model_name: str, peers: PeerTable, resumed: PyCounter[str],
+                 own_bus: Callable[[], tuple[int, float]]) -> None:
+        self.model_name = model_name
+        self.peers = peers
+        self.resumed = resumed
+        self.own_reconnects = lambda: own_bus()[0]
+        self.own_rtt = lambda: own_bus()[1]
+
+    def collect(self):
+        reconnects = CounterMetricFamily(P + "nats_reconnects", "Times a service's NATS client "
+                                         "came back after its connection dropped (to a "
+                                         "surviving node or the same one restarted).",
+                                         labels=["model_name", "service"])
+        for svc in SERVICES:
+            n = self.own_reconnects() if svc == "gateway" else sum(
+                s.nats_reconnects for s in self.peers.known(svc))
+            reconnects.add_metric([self.model_name, svc], n)
+        yield reconnects
+        rtt = GaugeMetricFamily(P + "nats_rtt_seconds", "Each service's last PING/PONG with its "
+                                "NATS node (the slowest live instance): a hop through NATS "
+                                "costs the sender's half and the receiver's half of it, plus a "
+                                "route between nodes.", labels=["model_name", "service"])
+        for svc in SERVICES:
+            rtt.add_metric([self.model_name, svc], self.own_rtt() if svc == "gateway" else max(
+                (s.nats_rtt_s for s in self.peers.alive(svc)), default=0.0))
+        yield rtt
+        resumed = CounterMetricFamily(P + "requests_resumed", "Requests resumed after the "
+                                      "tokens their client had: output lost on a NATS node "
+                                      "that died (gap, stalled) or a scheduler lost.",
+                                      labels=["model_name", "reason"])
+        for why in RESUME_REASONS:
+            resumed.add_metric([self.model_name, why], self.resumed[why])
+        yield resumed
+
+
 class Metrics:
-    def __init__(self, model_name: str, peers: PeerTable, tracker: Tracker) -> None:
+    def __init__(self, model_name: str, peers: PeerTable, tracker: Tracker,
+                 resumed: PyCounter[str] | None = None,
+                 own_bus: Callable[[], tuple[int, float]] = lambda: (0, 0.0)) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         self.model_name = model_name
@@ -177,6 +229,9 @@ class Metrics:
         for reason in ("stop", "length", "abort", "error"):  # present from the start, at 0
             self.success.labels(model_name, reason)
         self.registry.register(_SchedulerCollector(model_name, peers, tracker))
+        self.registry.register(_FailoverCollector(model_name, peers,
+                                                  PyCounter() if resumed is None else resumed,
+                                                  own_bus))
 
     def observe_finished(self, sub: SubRequest, out: TextOut) -> None:
         """A sequence's final output (stop, length or abort) as the handler consumes it."""

@@ -8,6 +8,7 @@ shaped in `render.py`, request bodies checked in `protocol.py`, lost stages hand
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -90,9 +91,10 @@ class GatewayService(Service):
         self.model_name = self.info.name
         self.tracker = Tracker()
         self.peers = PeerTable(args.heartbeat_timeout)
-        self.metrics = Metrics(self.model_name, self.peers, self.tracker)
         self.failover = Failover(self.bus, self.subjects, self.peers, self.tracker, self.stats,
                                  args.heartbeat_timeout)
+        self.metrics = Metrics(self.model_name, self.peers, self.tracker, self.failover.resumed,
+                               lambda: (self.bus.reconnects, self.bus.rtt))
         self.decode = decoder(self.info.tokenizer_json)
         self.runner: web.AppRunner | None = None
 
@@ -103,6 +105,7 @@ class GatewayService(Service):
         connected = lambda: self.bus.connected  # noqa: E731
         self.spawn(self.peers.watch("scheduler", self.failover.scheduler_gone, connected))
         self.spawn(self.peers.watch("tokenizer", self.failover.tokenizer_gone, connected))
+        self.spawn(self.failover.watch())
         self.bus.on_connection_change += [self.peers.on_connection, self.failover.on_connection]
         self.runner = web.AppRunner(self.make_app(), handler_cancellation=True, access_log=None)
         await self.runner.setup()
@@ -126,7 +129,12 @@ class GatewayService(Service):
 
     async def on_stats(self, msg: Message, headers: dict[str, str]) -> None:
         if isinstance(msg, StatsOut):
+            before = self.peers.latest.get((msg.service, msg.instance_id))
             self.peers.record(msg)
+            if before is not None and msg.nats_reconnects > before.nats_reconnects:
+                log.info("a peer's NATS client reconnected", service=msg.service,
+                         instance_id=msg.instance_id)
+                self.failover.suspect_all(time.monotonic())
 
     def stats(self) -> StatsOut:
         s = super().stats()

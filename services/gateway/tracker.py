@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -44,7 +44,11 @@ class SubRequest:
     delivered_chars: int = 0
     skip_chars: int = 0
     migrations: int = 0
-
+    group: str = ""  # the response it belongs to (`Tracker.groups`)
+    # After a NATS failover anywhere, output in flight then may be lost: from `suspect_since`
+    # until its next output in order, a request that hears nothing is resumed (failover.py).
+    heard: float = field(default_factory=time.monotonic)  # its last message from the pipeline
+    suspect_since: float | None = None
 
     @property
     def finish_reason(self) -> str | None:
@@ -63,6 +67,9 @@ class Tracker:
     def __init__(self) -> None:
         self.subs: dict[str, SubRequest] = {}
         self.groups: dict[str, list[str]] = {}  # response id -> its sequences' rids
+        # Called with a sequence whose output skipped or repeated tokens (a message lost on a
+        # NATS node that died): that output is dropped and the sequence resumed (failover.py).
+        self.on_gap: Callable[[SubRequest], None] = lambda sub: None
 
     def __len__(self) -> int:
         return len(self.subs)
@@ -82,6 +89,7 @@ class Tracker:
         subs = [self.add(m, i, queue) for i, m in enumerate(msgs)]
         for sub in subs:
             sub.headers = headers
+            sub.group = group
         self.groups[group] = [m.rid for m in msgs]
         return subs
 
@@ -102,6 +110,8 @@ class Tracker:
         sub = self.subs.get(rid)
         if sub is not None and sub.scheduler_id is None:
             sub.scheduler_id = scheduler_id
+        if sub is not None:
+            sub.heard = time.monotonic()
 
     def unfinished(self) -> list[SubRequest]:
         return [s for s in self.subs.values() if s.finish is None and not s.finished]
@@ -109,13 +119,29 @@ class Tracker:
     def owned_by(self, scheduler_id: str) -> list[SubRequest]:
         return [s for s in self.unfinished() if s.scheduler_id == scheduler_id]
 
-    def move(self, sub: SubRequest, scheduler_id: str) -> GenerateReq:
-        """The request again, to resume on `scheduler_id` after the tokens delivered so far."""
-        sub.scheduler_id = scheduler_id
-        sub.skip_chars = sub.delivered_chars
+    def move(self, sub: SubRequest, scheduler_id: str | None) -> GenerateReq:
+        """The request again, to resume on `scheduler_id` (None: any) after the tokens
+        delivered so far.
+
+        It runs under a rid of its own (`<rid>~<n>`): whatever the copy it replaces still sends
+        (from a scheduler that was only silent, or the same scheduler when only a message was
+        lost) matches no request here, and aborting that copy by its rid can never stop this
+        one, whichever of the two messages arrives first."""
+        old = sub.msg.rid
         sub.migrations += 1
-        return msgspec.structs.replace(sub.msg, output_ids=list(sub.delivered_ids),
-                                       scheduler_id=scheduler_id)
+        rid = f"{old.split('~', 1)[0]}~{sub.migrations}"
+        sub.msg = msgspec.structs.replace(sub.msg, rid=rid, output_ids=list(sub.delivered_ids),
+                                          scheduler_id=scheduler_id)
+        del self.subs[old]
+        self.subs[rid] = sub
+        if sub.group in self.groups:
+            self.groups[sub.group] = [rid if r == old else r for r in self.groups[sub.group]]
+        sub.scheduler_id = scheduler_id
+        sub.tokenizer_id = None
+        sub.skip_chars = sub.delivered_chars
+        sub.suspect_since = None
+        sub.heard = time.monotonic()
+        return sub.msg
 
     def deliver(self, out: TextOut | ErrorOut) -> None:
         sub = self.subs.get(out.rid)
@@ -125,6 +151,10 @@ class Tracker:
         if isinstance(out, TextOut):
             if out.scheduler_id and sub.scheduler_id not in (None, out.scheduler_id):
                 return  # late output of a scheduler the request was moved off
+            if out.offset is not None and out.offset != len(sub.delivered_ids):
+                self.on_gap(sub)  # never a token twice, never one missing: resumed instead
+                return
+            sub.heard, sub.suspect_since = now, None
             if sub.skip_chars:  # a resumed request's replayed text: the client has it
                 cut = min(sub.skip_chars, len(out.text))
                 out.text = out.text[cut:]

@@ -13,7 +13,7 @@ import urllib.request
 from common.config import ServerArgs, parse_server_args, to_argv
 from common.logging import configure, get_logger
 from common.modelstore import prepare_model
-from services.launcher.nats import NatsServer, die_with_parent
+from services.launcher.nats import NatsServer, cluster, die_with_parent, max_payload
 from services.launcher.scheduler_env import bound_cores, scheduler_env
 
 log = get_logger("launcher")
@@ -61,8 +61,9 @@ class Child:
 
 
 class NatsChild(Child):
-    """The embedded nats-server, supervised like the services. It comes back on the same port,
-    so every service's client reconnects by itself to the URL it was given."""
+    """An embedded nats-server node, supervised like the services. It comes back on the same
+    ports, so every service's client reconnects by itself to the URLs it was given, and a
+    cluster node rejoins its routes."""
 
     def __init__(self, server: NatsServer) -> None:
         super().__init__("nats-server", [])
@@ -81,7 +82,7 @@ class NatsChild(Child):
 class Launcher:
     def __init__(self, args: ServerArgs) -> None:
         self.args = args
-        self.nats: NatsChild | None = None
+        self.nats: list[NatsChild] = []
         self.children: list[Child] = []
         self.stopping = False
         self.ready = False
@@ -92,6 +93,9 @@ class Launcher:
         signal.signal(signal.SIGINT, self._on_signal)
         t0 = time.monotonic()
         args = self.args
+        if error := check_nats_flags(args):  # before anything is loaded or started
+            _say(f"tokenline serve: error: {error}", sys.stderr)
+            return 2
         env = dict(os.environ)
         for name in SECRETS:
             if (value := getattr(args, name)) is not None:
@@ -107,11 +111,7 @@ class Launcher:
             _say(f"tokenline serve: error: {exc}", sys.stderr)
             return 2
         if not args.nats_url:
-            server = NatsServer(user=args.nats_user, password=args.nats_password,
-                                token=args.nats_token).start()
-            self.nats = NatsChild(server)
-            args = dataclasses.replace(args, nats_url=server.url)
-            log.info("embedded NATS server", url=server.url)
+            args = self._start_nats(args)
         argv = to_argv(dataclasses.replace(args, instance_id=None, **dict.fromkeys(SECRETS)))
         self.children = [Child(name, argv, sched_env if name == "scheduler" else env,
                                bound_cores(args) if name == "scheduler" else None)
@@ -133,12 +133,29 @@ class Launcher:
             return 1
         return 0
 
+    def _start_nats(self, args: ServerArgs) -> ServerArgs:
+        """The embedded node(s); every service is given all of their URLs."""
+        nodes = cluster(args.nats_cluster, user=args.nats_user, password=args.nats_password,
+                        token=args.nats_token, payload=max_payload(args.max_request_bytes))
+        try:
+            for node in nodes:
+                node.start()
+        except (OSError, TimeoutError):
+            for node in nodes:
+                node.stop()
+            raise
+        self.nats = [NatsChild(node) for node in nodes]
+        url = ",".join(node.url for node in nodes)
+        log.info("embedded NATS server" if len(nodes) == 1 else "embedded NATS cluster", url=url,
+                 monitoring=[n.monitor_port for n in nodes if n.monitor_port] or None)
+        return dataclasses.replace(args, nats_url=url)
+
     def _on_signal(self, signum, frame) -> None:
         self.stopping = True
 
     def _supervise(self) -> None:
         now = time.monotonic()
-        for child in ([self.nats] if self.nats else []) + self.children:
+        for child in [*self.nats, *self.children]:
             if child.alive() or self.stopping:
                 continue
             if child.proc is not None and child.next_start == 0.0:
@@ -177,8 +194,18 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
-        if self.nats:  # last: the services leave cleanly while it still runs
-            self.nats.server.stop()
+        for node in self.nats:  # last: the services leave cleanly while NATS still runs
+            node.server.stop()
+
+
+def check_nats_flags(args: ServerArgs) -> str | None:
+    """What is wrong with the NATS flags, in one line naming the flag; None when nothing is."""
+    if args.nats_cluster < 1:
+        return f"--nats-cluster {args.nats_cluster}: at least 1 node"
+    if args.nats_cluster > 1 and args.nats_url:
+        return ("--nats-cluster starts local NATS nodes; with --nats-url the servers are yours "
+                "(give every node's URL there, comma-separated)")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,19 +47,45 @@ def wait_for_port(host: str, port: int, timeout: float = 10.0,
     raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s")
 
 
+# Broker-side limits, set on purpose rather than left to the server's defaults
+# (docs/deploy.md, "NATS limits"):
+# - a payload carries a whole prompt (text, then its token ids): up to twice
+#   --max-request-bytes, so a long prompt is never refused by the broker after the gateway took it;
+# - a subscriber that reads nothing for WRITE_DEADLINE is cut off (a slow consumer) instead of
+#   making the server buffer for it without bound; the client then reconnects and resumes;
+# - the server pings each client every PING_INTERVAL and drops one that misses PING_MAX answers,
+#   so a half-open connection (a killed peer behind a dead route) is found in seconds.
+WRITE_DEADLINE = "10s"
+PING_INTERVAL = "5s"
+PING_MAX = 3
+CLUSTER_NAME = "tokenline"
+
+
+def max_payload(max_request_bytes: int) -> int:
+    """What a node accepts in one message: room for a request at --max-request-bytes, twice
+    (its text and its token ids), within NATS's own ceiling of 64 MiB."""
+    return max(1 << 20, min(64 << 20, 2 * max_request_bytes))
+
+
 class NatsServer:
     """Start with `start()`, stop with `stop()`; `url` is what services connect to.
 
-    `start()` again, after a stop or a crash, listens on the same port: clients reconnect to the
-    URL they already have."""
+    `start()` again, after a stop or a crash, listens on the same ports: clients reconnect to the
+    URL they already have, and a cluster node rejoins its routes. A node of a cluster has a
+    `cluster_port` and the other nodes' cluster ports in `routes`."""
 
     def __init__(self, port: int | None = None, host: str = "127.0.0.1",
                  user: str | None = None, password: str | None = None,
-                 token: str | None = None, monitor_port: int | None = None) -> None:
+                 token: str | None = None, monitor_port: int | None = None,
+                 cluster_port: int | None = None, routes: list[int] | None = None,
+                 payload: int = 16 << 20) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.user, self.password, self.token = user, password, token
         self.monitor_port = monitor_port
+        self.cluster_port = cluster_port
+        self.routes = routes or []
+        self.payload = payload
         self.proc: subprocess.Popen | None = None
         self.config_path: str | None = None
         self._log = None
@@ -70,11 +96,8 @@ class NatsServer:
         return f"nats://{self.host}:{self.port}"
 
     def start(self) -> NatsServer:
-        cmd = [nats_server_binary(), "-a", self.host, "-p", str(self.port)]
-        if self.user or self.token:  # in a private file: a command line is public (`ps`)
-            cmd += ["-c", self.config_path or self._auth_config()]
-        if self.monitor_port:
-            cmd += ["-m", str(self.monitor_port)]
+        # everything in a private file: a command line is public (`ps`), and credentials with it
+        cmd = [nats_server_binary(), "-c", self.config_path or self._write_config()]
         if self._log is None:
             self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
@@ -89,14 +112,31 @@ class NatsServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def _auth_config(self) -> str:
+    def config(self) -> str:
+        """The node's configuration (nats-server's own format; strings as JSON, which it reads)."""
+        lines = [f"listen: {json.dumps(f'{self.host}:{self.port}')}",
+                 f"max_payload: {self.payload}",
+                 f"write_deadline: {json.dumps(WRITE_DEADLINE)}",
+                 f"ping_interval: {json.dumps(PING_INTERVAL)}",
+                 f"ping_max: {PING_MAX}"]
+        if self.monitor_port:
+            lines.append(f"http: {json.dumps(f'{self.host}:{self.monitor_port}')}")
         if self.user:
-            auth = f"user: {json.dumps(self.user)}\npassword: {json.dumps(self.password or '')}"
-        else:
-            auth = f"token: {json.dumps(self.token)}"
+            lines.append(f"authorization {{\nuser: {json.dumps(self.user)}\n"
+                         f"password: {json.dumps(self.password or '')}\n}}")
+        elif self.token:
+            lines.append(f"authorization {{\ntoken: {json.dumps(self.token)}\n}}")
+        if self.cluster_port:
+            routes = ", ".join(json.dumps(f"nats://{self.host}:{p}") for p in self.routes)
+            lines.append(f"cluster {{\nname: {CLUSTER_NAME}\n"
+                         f"listen: {json.dumps(f'{self.host}:{self.cluster_port}')}\n"
+                         f"routes: [{routes}]\n}}")
+        return "\n".join(lines) + "\n"
+
+    def _write_config(self) -> str:
         fd, self.config_path = tempfile.mkstemp(prefix="tokenline-nats-", suffix=".conf")  # 0600
         with os.fdopen(fd, "w") as f:
-            f.write(f"authorization {{\n{auth}\n}}\n")
+            f.write(self.config())
         return self.config_path
 
     def stop(self) -> None:
@@ -135,3 +175,14 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - not Linux: best effort only
         pass
+
+
+def cluster(size: int, host: str = "127.0.0.1", **kw) -> list[NatsServer]:
+    """`size` nodes of one cluster on free ports, each routed to every other (not started).
+    One node has no cluster block: it is the single embedded server it always was."""
+    if size == 1:
+        return [NatsServer(host=host, **kw)]
+    cluster_ports = [free_port(host) for _ in range(size)]
+    return [NatsServer(host=host, monitor_port=free_port(host), cluster_port=cp,
+                       routes=[p for p in cluster_ports if p != cp], **kw)
+            for cp in cluster_ports]

@@ -295,7 +295,9 @@ class SchedulerService(Service):
     # -- observability --------------------------------------------------------------------------
     def stats(self) -> StatsOut:
         s = StatsOut(service=self.name, instance_id=self.instance_id, time=time.time(),
-                     kv_events_seq=self.kv_seq, **self.engine.stats())
+                     nats_reconnects=self.bus.reconnects, nats_rtt_s=self.bus.rtt,
+                     kv_events_seq=self.kv_seq,
+                     **self.engine.stats())
         # a request has a route from its arrival until its end is published, so the routes
         # cover the engine's table too: both are empty when the larger one is
         s.in_flight = max(s.in_flight, len(self.routes))

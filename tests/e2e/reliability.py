@@ -7,8 +7,9 @@ import asyncio
 import json
 import os
 import signal
+import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
@@ -224,3 +225,90 @@ def assert_ended_cleanly(out: Outcome, max_tokens: int) -> None:
         assert out.done, out
     else:
         assert out.status in (503, 504), out  # "retry later", never a crash
+
+
+# -- many greedy streams through a NATS failure ----------------------------------------------
+IN_FLIGHT = 64
+MAX_TOKENS = 40
+
+
+@dataclass
+class Run:
+    """One stream as its client saw it."""
+
+    text: str = ""
+    finish: str | None = None
+    completion_tokens: int | None = None
+    error: dict | None = None
+    chunk_times: list[float] = field(default_factory=list)
+
+    @property
+    def pause(self) -> float:
+        """The longest wait between two chunks."""
+        t = self.chunk_times
+        return max((b - a for a, b in zip(t, t[1:], strict=False)), default=0.0)
+
+
+async def stream(session: aiohttp.ClientSession, url: str, i: int,
+                 started: asyncio.Event) -> Run:
+    body = {"prompt": f"Request {i}: the quick brown fox", "max_tokens": MAX_TOKENS,
+            "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    run = Run()
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[len(b"data: "):])
+            run.chunk_times.append(time.monotonic())
+            if "error" in event:
+                run.error = event["error"]
+                continue
+            for choice in event["choices"]:
+                run.text += choice["text"]
+                run.finish = choice["finish_reason"] or run.finish
+                started.set()
+            if event.get("usage"):
+                run.completion_tokens = event["usage"]["completion_tokens"]
+    return run
+
+
+async def _load(url: str, kill=None) -> list[Run]:
+    """IN_FLIGHT streams; once each has its first tokens, `kill()`."""
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        started = [asyncio.Event() for _ in range(IN_FLIGHT)]
+        tasks = [asyncio.create_task(stream(session, url, i, ev))
+                 for i, ev in enumerate(started)]
+        if kill is not None:
+            await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 60)
+            await asyncio.get_running_loop().run_in_executor(None, kill)
+        return list(await asyncio.gather(*tasks))
+
+
+def under_load(url: str, kill=None) -> list[Run]:
+    """IN_FLIGHT greedy streams of MAX_TOKENS tokens; once each has its first tokens, `kill()`
+    (in a thread: it may sleep)."""
+    return asyncio.run(_load(url, kill))
+
+
+def check_identical(runs: list[Run], reference: list[str], what: str) -> None:
+    """64/64 identical to the uninterrupted run, each with every token once; the pauses said."""
+    for i, (run, want) in enumerate(zip(runs, reference, strict=True)):
+        assert run.error is None, (what, i, run.error)
+        assert run.finish == "length" and run.completion_tokens == MAX_TOKENS, (what, i, run)
+        assert run.text == want, (what, i, run.text, want)
+    pauses = sorted(r.pause for r in runs)
+    print(f"{what}: {len(runs)}/{IN_FLIGHT} identical; stream pause per request: median "
+          f"{statistics.median(pauses):.2f}s, max {pauses[-1]:.2f}s")
+
+
+
+
+def resumed(url: str) -> dict[str, float]:
+    """Requests the gateway resumed so far, by why (failover.py's reasons)."""
+    text = metrics(url)
+    return {why: metric(text, "tokenline:requests_resumed_total", reason=why)
+            for why in ("gap", "stalled", "scheduler_lost")}

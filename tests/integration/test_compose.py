@@ -31,6 +31,8 @@ from tests.integration.procs import ServiceProc
 pytestmark = pytest.mark.stack  # starts services as processes (make test-fast skips it)
 
 TOKENLINE = ("gateway", "tokenizer", "scheduler", "detokenizer")
+NATS = ("nats-1", "nats-2", "nats-3")
+NATS_URL = ",".join(f"nats://{node}:4222" for node in NATS)
 FLAGS = {f.name for f in dataclasses.fields(ServerArgs)}
 _VAR = re.compile(r"\$\$|\$\{(\w+)(?:(:?[-?])([^}]*))?\}|\$(\w+)")
 
@@ -69,13 +71,7 @@ def env_of(service: dict) -> dict[str, str]:
 
 def test_compose_declares_the_stack(compose):
     services = compose["services"]
-    assert {"nats", *TOKENLINE, "otel-collector", "jaeger"} <= set(services)
-
-    nats = services["nats"]
-    assert nats["image"].startswith("nats:")
-    assert "8222" in nats["command"]  # monitoring port
-    assert any(p.endswith(":8222") for p in nats["ports"])
-    assert any("8222/healthz" in part for part in nats["healthcheck"]["test"])
+    assert {*NATS, *TOKENLINE, "otel-collector", "jaeger"} <= set(services)
 
     for name in TOKENLINE:
         svc = services[name]
@@ -83,13 +79,14 @@ def test_compose_declares_the_stack(compose):
         assert svc["image"] and svc["build"]["context"] == "."
         assert (REPO / svc["build"]["context"] / "Dockerfile").exists()
         assert "profiles" not in svc, f"{name} must start with a plain `docker compose up`"
-        assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+        for node in NATS:  # all three up and healthy, so that a service can fail over
+            assert svc["depends_on"][node]["condition"] == "service_healthy", name
         check = svc["healthcheck"]
         assert check["test"][0] == "CMD" and check["test"][1:4] == ["python", "-m",
                                                                    "common.health"], name
         assert {"interval", "timeout", "retries", "start_period"} <= set(check), name
         env = env_of(svc)
-        assert env["TOKENLINE_NATS_URL"] == "nats://nats:4222", name
+        assert env["TOKENLINE_NATS_URL"] == NATS_URL, name
         assert env["TOKENLINE_HEALTH_FILE"], name
         assert "TOKENLINE_OTLP_TRACES_ENDPOINT" in svc["environment"], name
 
@@ -98,6 +95,40 @@ def test_compose_declares_the_stack(compose):
     assert env_of(gateway)["TOKENLINE_HOST"] == "0.0.0.0"
     assert "--http" in gateway["healthcheck"]["test"]
     assert set(gateway["depends_on"]) >= {"tokenizer", "scheduler", "detokenizer"}
+
+
+def _nats_config(service: dict) -> str:
+    """A NATS node's configuration file, as the container reads it."""
+    config = service["command"][service["command"].index("-c") + 1]
+    return (REPO / _mounts(service)[config]).read_text()
+
+
+def test_compose_runs_a_three_node_nats_cluster_with_deliberate_limits(compose):
+    from services.launcher import nats as launcher_nats
+
+    services = compose["services"]
+    published = set()
+    for node in NATS:
+        svc = services[node]
+        assert svc["image"].startswith("nats:") and "profiles" not in svc
+        assert any("8222/healthz" in part for part in svc["healthcheck"]["test"]), node
+        assert svc["restart"] == "unless-stopped", node  # a dead node comes back and rejoins
+        assert env_of(svc)["NATS_NAME"] == node
+        ports = {p.split(":")[1]: p.split(":")[0] for p in svc["ports"]}
+        assert set(ports) == {"4222", "8222"}, node  # clients, monitoring
+        published |= set(ports.values())
+        config = _nats_config(svc)
+        assert "server_name: $NATS_NAME" in config
+        cluster = config[config.index("cluster {"):]
+        assert "name: tokenline" in cluster and '"0.0.0.0:6222"' in cluster
+        assert all(f'"nats://{n}:6222"' in cluster for n in NATS), node  # routes to every node
+        # the limits `tokenline serve` sets on its own nodes, the same here
+        assert f'write_deadline: "{launcher_nats.WRITE_DEADLINE}"' in config
+        assert f'ping_interval: "{launcher_nats.PING_INTERVAL}"' in config
+        assert f"ping_max: {launcher_nats.PING_MAX}" in config
+        payload = int(re.search(r"^max_payload: (\d+)$", config, re.M).group(1))
+        assert payload == launcher_nats.max_payload(ServerArgs().max_request_bytes)
+    assert len(published) == 2 * len(NATS)  # each node on host ports of its own
 
 
 def test_compose_gpu_scheduler_is_one_profile_away(compose):
@@ -158,13 +189,27 @@ def test_compose_observability_profile_scrapes_and_draws_metrics(compose):
     mounts = _mounts(prometheus)
     assert mounts[config_file].startswith("./deploy/")
     scrape = yaml.safe_load((REPO / mounts[config_file]).read_text())
-    (job,) = scrape["scrape_configs"]
+    jobs = {j["job_name"]: j for j in scrape["scrape_configs"]}
+    job = jobs["tokenline-gateway"]
     assert job.get("metrics_path", "/metrics") == "/metrics"
     gateway_port = int(env_of(services["gateway"])["TOKENLINE_PORT"])
     (dns,) = job["dns_sd_configs"]  # every gateway container, however many are scaled
     assert dns["names"] == ["gateway"] and dns["type"] == "A" and dns["port"] == gateway_port
     assert "enable_metrics" in FLAGS and "TOKENLINE_ENABLE_METRICS" not in env_of(
         services["gateway"])  # on by default, and compose does not turn it off
+
+    # each NATS node's monitoring port, through an exporter of its own that Prometheus scrapes
+    (static,) = jobs["nats"]["static_configs"]
+    monitored = set()
+    for target in static["targets"]:
+        exporter = services[target.split(":")[0]]
+        assert exporter["profiles"] == ["observability"], target
+        assert exporter["image"].startswith("natsio/prometheus-nats-exporter:")
+        url = exporter["command"][-1]
+        monitored.add(url)
+        node = url.removeprefix("http://").split(":")[0]
+        assert url == f"http://{node}:8222" and '"0.0.0.0:8222"' in _nats_config(services[node])
+    assert monitored == {f"http://{node}:8222" for node in NATS}
 
     # Grafana's provisioning and dashboards come from deploy/grafana, at the paths it reads
     mounts = _mounts(grafana)
@@ -200,7 +245,7 @@ def test_compose_environment_names_real_flags(compose, monkeypatch):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         args = parse_server_args([])  # every value parses as its flag's type
-        assert args.nats_url == "nats://nats:4222"
+        assert args.nats_url == NATS_URL
         assert args.model is None and args.otlp_traces_endpoint is None  # empty means unset
 
 
@@ -215,7 +260,20 @@ def test_dockerfile_installs_what_pyproject_declares():
 
 
 @pytest.fixture(scope="module")
-def compose_stack(compose, nats_server, tmp_path_factory):
+def nats_cluster():
+    """Three routed nodes, as compose runs them (the limits of deploy/nats-server.conf)."""
+    from services.launcher.nats import cluster
+
+    nodes = cluster(len(NATS))
+    for node in nodes:
+        node.start()
+    yield nodes
+    for node in nodes:
+        node.stop()
+
+
+@pytest.fixture(scope="module")
+def compose_stack(compose, nats_cluster, tmp_path_factory):
     """The four tokenline services, started from their compose commands and environments."""
     port = free_port()
     health_dir = tmp_path_factory.mktemp("health")
@@ -226,7 +284,8 @@ def compose_stack(compose, nats_server, tmp_path_factory):
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENLINE_")}
         env.update(env_of(svc))
         env.update(
-            TOKENLINE_NATS_URL=nats_server.url,  # the `nats` host exists only inside compose
+            # the `nats-N` hosts exist only inside compose: a local cluster of three instead
+            TOKENLINE_NATS_URL=",".join(node.url for node in nats_cluster),
             TOKENLINE_HOST="127.0.0.1",  # loopback only on the test machine
             TOKENLINE_PORT=str(port),
             TOKENLINE_HEALTH_FILE=str(health_dir / f"{name}.alive"),  # one per container

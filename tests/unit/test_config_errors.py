@@ -51,6 +51,18 @@ def _serve(*flags: str, timeout: float = 120) -> subprocess.CompletedProcess:
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--nats-cluster", "0"], "--nats-cluster 0: at least 1 node"),
+    (["--nats-cluster", "3", "--nats-url", "nats://127.0.0.1:4222"],
+     "--nats-cluster starts local NATS nodes; with --nats-url the servers are yours"),
+])
+def test_serve_refuses_a_nats_cluster_it_cannot_start(flags, message):
+    done = _serve(*flags, timeout=60)
+    assert done.returncode == 2 and f"tokenline serve: error: {message}" in done.stderr, \
+        done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+
+
 def test_serve_with_a_missing_model_says_so_and_exits():
     out = _serve("--model", "/nonexistent/model.gguf")
     assert out.returncode == 2

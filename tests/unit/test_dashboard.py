@@ -76,6 +76,7 @@ def test_dashboard_draws_what_an_operator_watches():
         "scheduler_info",  # the quantization in use
         "router_decisions_total", "router_predicted_cached_tokens_total",
         "router_cached_tokens_total",
+        "nats_reconnects_total", "requests_resumed_total", "nats_rtt_seconds",  # NATS
     )} <= names
     for latency in LATENCIES:
         quantiles = {float(m.group(1)) for e in exprs if f"tokenline:{latency}_bucket" in e

@@ -463,6 +463,7 @@ class EngineCore:
             gateway_id=req.gateway_id,
             token_ids=list(new),
             finish=req.finish,
+            offset=req.num_reported,
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=req.num_generated,
             cached_tokens=req.num_cached,
