@@ -7,6 +7,10 @@ BIN := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed-serve
 KERNEL_STAMP := $(VENV)/.kernels-built
 TEST_STAMP := $(VENV)/.installed-test
+# lm-evaluation-harness, which tests/e2e/test_prompt_logprobs_api.py runs as a subprocess: its
+# dependencies clash with our pins, so it has a venv of its own (every version pinned there)
+CLIENTS ?= .venv-clients
+CLIENTS_STAMP := $(CLIENTS)/.installed
 # the C++ kernels and what they include: an edit rebuilds them here, not at a server's start
 KERNEL_SOURCES := $(wildcard services/scheduler/native/*.cpp services/scheduler/native/*.h)
 # the 15 slowest tests at the end of every run, so a regression shows
@@ -31,14 +35,19 @@ $(TEST_STAMP): $(SERVE_STAMP)
 	$(BIN)/pip install -e '.[test]'
 	touch $@
 
+$(CLIENTS_STAMP): tests/clients-requirements.txt
+	$(PY) -m venv $(CLIENTS)
+	$(CLIENTS)/bin/pip install -r tests/clients-requirements.txt
+	touch $@
+
 install-serve: $(KERNEL_STAMP)
 
-install: $(TEST_STAMP)
+install: $(TEST_STAMP) $(CLIENTS_STAMP)
 
 serve: $(KERNEL_STAMP)
 	$(BIN)/tokenline serve --host 127.0.0.1 --port 8000
 
-test: $(TEST_STAMP) $(KERNEL_STAMP)
+test: $(TEST_STAMP) $(KERNEL_STAMP) $(CLIENTS_STAMP)
 	$(PYTEST) -n 2 --dist loadfile tests
 
 # the edit loop: unit and integration tests without whole stacks

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.messages import Finish, SamplingParams, TokenizedReq
+from common.messages import Finish, LogprobOut, SamplingParams, TokenizedReq
 
 if TYPE_CHECKING:
     import torch
@@ -70,12 +70,18 @@ class Request:
     output_counts: torch.Tensor | None = None
     seen_mask: torch.Tensor | None = None
     stop_text: IncrementalText | None = None  # only for a request with stop strings
+    # prompt logprobs, only for a request that asks: one per prompt token computed so far
+    # (kept through retraction, so a recompute adds none twice), sent out once when complete
+    prompt_logprobs: list[LogprobOut] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         # An unseeded request still gets a fixed seed, so retraction never changes its text.
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         self.num_reported = len(self.output_ids)
         self.initial_outputs = len(self.output_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
 
     @classmethod
     def from_msg(cls, msg: TokenizedReq) -> Request:
@@ -105,6 +111,12 @@ class Request:
     @property
     def num_to_compute(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def collects_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are not all computed yet: each prefill row counts."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_ids)
 
     @property
     def is_finished(self) -> bool:
