@@ -7,9 +7,11 @@ BIN := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed-serve
 KERNEL_STAMP := $(VENV)/.kernels-built
 TEST_STAMP := $(VENV)/.installed-test
-# lm-evaluation-harness, which tests/e2e/test_prompt_logprobs_api.py runs as a subprocess: its
-# dependencies clash with our pins, so it has a venv of its own (every version pinned there)
-CLIENTS ?= .venv-clients
+# the client libraries the tests drive (lm-evaluation-harness, run as a subprocess): their pins
+# clash with ours and with each other, so each requirements file in tests/clients gets a venv
+# of its own, .venv-clients/NAME
+CLIENTS := .venv-clients
+CLIENT_REQS := $(wildcard tests/clients/requirements-*.txt)
 CLIENTS_STAMP := $(CLIENTS)/.installed
 # the C++ kernels and what they include: an edit rebuilds them here, not at a server's start
 KERNEL_SOURCES := $(wildcard services/scheduler/native/*.cpp services/scheduler/native/*.h)
@@ -35,9 +37,12 @@ $(TEST_STAMP): $(SERVE_STAMP)
 	$(BIN)/pip install -e '.[test]'
 	touch $@
 
-$(CLIENTS_STAMP): tests/clients-requirements.txt
-	$(PY) -m venv $(CLIENTS)
-	$(CLIENTS)/bin/pip install -r tests/clients-requirements.txt
+$(CLIENTS_STAMP): $(CLIENT_REQS)
+	for req in $(CLIENT_REQS); do \
+		name=$$(basename $$req .txt | sed 's/^requirements-//'); \
+		rm -rf $(CLIENTS)/$$name && $(PY) -m venv $(CLIENTS)/$$name && \
+		$(CLIENTS)/$$name/bin/pip install -q -r $$req || exit 1; \
+	done
 	touch $@
 
 install-serve: $(KERNEL_STAMP)

@@ -45,6 +45,13 @@ Positive = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 TopK = Annotated[int, Meta(ge=-1, le=2**63 - 1, description="-1 (off) or >= 1")]
 N = Annotated[int, Meta(ge=1, le=MAX_N)]
 Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+PromptLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description=(
+    "vLLM's: the prompt tokens' logprobs, each with its rank and the N likeliest tokens "
+    "(null first); not with stream: true"))]
+CompletionMaxTokens = Annotated[int, Meta(ge=0, le=2**63 - 1, description=(
+    "0 only with echo or prompt_logprobs: the prompt (and its logprobs) alone"))]
+LogprobStartLen = Annotated[int, Meta(ge=-1, le=2**63 - 1, description=(
+    "SGLang's: with return_logprob, the prompt's logprobs from this token on (-1: none)"))]
 Temperature = Annotated[float, Meta(ge=0)]
 Probability = Annotated[float, Meta(ge=0, le=1)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
@@ -158,7 +165,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: Positive | None = None
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
-    prompt_logprobs: Logprobs | None = None  # vLLM's: the prompt tokens' logprobs, top-N
+    prompt_logprobs: PromptLogprobs | None = None
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
@@ -212,11 +219,10 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[Any]  # a string, token ids, or a list of either (checked later)
-    # 0 only with echo or prompt_logprobs: the prompt (and its logprobs) alone, no token
-    max_tokens: NonNeg | None = None
+    max_tokens: CompletionMaxTokens | None = None
     logprobs: Logprobs | None = None
     echo: bool = False
-    prompt_logprobs: Logprobs | None = None  # vLLM's: the prompt tokens' logprobs, top-N
+    prompt_logprobs: PromptLogprobs | None = None
     best_of: Int | None = None
     suffix: str | None = None
 
@@ -303,8 +309,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     priority: Int = 0
     return_logprob: bool = False
     top_logprobs_num: Logprobs = 0
-    # SGLang's: with return_logprob, the prompt's logprobs from this token on (-1: none)
-    logprob_start_len: Annotated[int, Meta(ge=-1, le=2**63 - 1)] = -1
+    logprob_start_len: LogprobStartLen = -1
     cache_salt: CacheSalt | None = None
 
     def prompt(self) -> dict:

@@ -23,7 +23,7 @@ from tests.helpers import Stack
 
 TEXT = "The quick brown fox jumps over the lazy dog, and the cat watches it from the wall."
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-LM_EVAL = Path(__file__).resolve().parents[2] / ".venv-clients" / "bin" / "lm_eval"
+LM_EVAL = Path(__file__).resolve().parents[2] / ".venv-clients" / "lm-eval" / "bin" / "lm_eval"
 ITEMS = [  # a hand-written multiple-choice task: no data set to download
     {"question": "The capital of France is", "choices": ["Paris", "Berlin", "Madrid"],
      "answer": 0},

@@ -556,6 +556,7 @@ def prompt_logprobs(req: Request, begin: int, rows: torch.Tensor) -> None:
     prompt, out = req.prompt_ids, req.prompt_logprobs
     if not out:
         out.append(LogprobOut(prompt[0], 0.0))  # nothing precedes it: no logprob
+    assert begin < len(out), "a chunk past the prompt logprobs so far (a cached prefix?)"
     lo, hi = max(len(out), begin + 1), min(len(prompt), begin + rows.shape[0] + 1)
     if lo >= hi:
         return
