@@ -129,7 +129,7 @@ class TokenizeOut(msgspec.Struct, tag=True, omit_defaults=True):
     token_strs: list[str] | None = None  # the vocabulary's pieces, as asked
 
 
-class LogprobOut(msgspec.Struct, array_like=True):
+class LogprobOut(msgspec.Struct, array_like=True, omit_defaults=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = msgspec.field(default_factory=list)
