@@ -46,6 +46,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # None: none; 0: the chosen token's; k: also the top k
+    # the prompt's own tokens' logprobs, from its prefill (None: none; k: also the top k)
+    prompt_logprobs: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
@@ -127,10 +129,11 @@ class TokenizeOut(msgspec.Struct, tag=True, omit_defaults=True):
     token_strs: list[str] | None = None  # the vocabulary's pieces, as asked
 
 
-class LogprobOut(msgspec.Struct, array_like=True):
+class LogprobOut(msgspec.Struct, array_like=True, omit_defaults=True):
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = msgspec.field(default_factory=list)
+    rank: int | None = None  # of token_id among the vocabulary, 1 the likeliest (prompts only)
 
 
 class TokenOut(msgspec.Struct, omit_defaults=True):
@@ -147,6 +150,9 @@ class TokenOut(msgspec.Struct, omit_defaults=True):
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[LogprobOut] | None = None
+    # One per prompt token, sent once, when the prefill has computed them all. Entry 0 is the
+    # first token, which nothing precedes: it has no logprob (0.0 here, null to the client).
+    prompt_logprobs: list[LogprobOut] | None = None
     # Set on a request's first output only: what the detokenizer needs to know about it.
     first: bool = False
     stop: list[str] | None = None
@@ -177,6 +183,7 @@ class TextOut(msgspec.Struct, omit_defaults=True):
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[LogprobOut] | None = None
+    prompt_logprobs: list[LogprobOut] | None = None  # as in TokenOut
     scheduler_id: str | None = None
     queue_time: float | None = None
     retractions: int = 0

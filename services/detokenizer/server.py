@@ -129,6 +129,7 @@ class DetokenizerService(Service):
             completion_tokens=item.completion_tokens,
             cached_tokens=item.cached_tokens,
             logprobs=item.logprobs,
+            prompt_logprobs=item.prompt_logprobs,
             scheduler_id=scheduler_id,
             queue_time=item.queue_time,
             retractions=item.retractions,

@@ -45,6 +45,13 @@ Positive = Annotated[int, Meta(ge=1, le=2**63 - 1)]
 TopK = Annotated[int, Meta(ge=-1, le=2**63 - 1, description="-1 (off) or >= 1")]
 N = Annotated[int, Meta(ge=1, le=MAX_N)]
 Logprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)]
+PromptLogprobs = Annotated[int, Meta(ge=0, le=MAX_LOGPROBS, description=(
+    "vLLM's: the prompt tokens' logprobs, each with its rank and the N likeliest tokens "
+    "(null first); not with stream: true"))]
+CompletionMaxTokens = Annotated[int, Meta(ge=0, le=2**63 - 1, description=(
+    "0 only with echo or prompt_logprobs: the prompt (and its logprobs) alone"))]
+LogprobStartLen = Annotated[int, Meta(ge=-1, le=2**63 - 1, description=(
+    "SGLang's: with return_logprob, the prompt's logprobs from this token on (-1: none)"))]
 Temperature = Annotated[float, Meta(ge=0)]
 Probability = Annotated[float, Meta(ge=0, le=1)]
 TopP = Annotated[float, Meta(gt=0, le=1)]
@@ -158,6 +165,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: Positive | None = None
     logprobs: bool = False
     top_logprobs: Logprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     add_generation_prompt: bool = True
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
@@ -195,21 +203,26 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
         _check(not self.top_logprobs or self.logprobs, "top_logprobs needs logprobs: true",
                "top_logprobs")
         self.check_stream_options()
+        _check_prompt_logprobs(self.prompt_logprobs, self.stream)
         newer = self.max_completion_tokens is not None  # OpenAI's new name wins
         constraint, _, _ = self.tool_plan()
-        return _sampling_params(
+        params = _sampling_params(
             self, constraint=constraint,
             max_tokens=self.max_completion_tokens if newer else self.max_tokens,
             min_tokens=self.min_tokens,
             max_tokens_param="max_completion_tokens" if newer else "max_tokens",
             logprobs=(self.top_logprobs or 0) if self.logprobs else None,
             vocab_size=vocab_size, max_stops=max_stops)
+        params.prompt_logprobs = self.prompt_logprobs
+        return params
 
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[Any]  # a string, token ids, or a list of either (checked later)
+    max_tokens: CompletionMaxTokens | None = None
     logprobs: Logprobs | None = None
     echo: bool = False
+    prompt_logprobs: PromptLogprobs | None = None
     best_of: Int | None = None
     suffix: str | None = None
 
@@ -238,13 +251,26 @@ class CompletionRequest(_Sampling, kw_only=True):
                "best_of other than n is not supported", "best_of")
         _check(not self.suffix, "suffix is not supported", "suffix")
         self.check_stream_options()
+        _check_prompt_logprobs(self.prompt_logprobs, self.stream)
+        _check(self.max_tokens != 0 or self.echo or self.prompt_logprobs is not None,
+               "max_tokens must be at least 1 (0 only with echo or prompt_logprobs)",
+               "max_tokens")
         constraint = _field_errors(completion_constraint, self.response_format,
                                    self.structured_outputs)
-        return _sampling_params(
+        params = _sampling_params(
             self, constraint=constraint,
             max_tokens=16 if self.max_tokens is None else self.max_tokens,
             min_tokens=self.min_tokens, max_tokens_param="max_tokens", logprobs=self.logprobs,
             vocab_size=vocab_size, max_stops=max_stops)
+        params.prompt_logprobs = self.prompt_top_n()
+        return params
+
+    def prompt_top_n(self) -> int | None:
+        """What the engine computes for the prompt: the wider of echo's logprobs (echo shows
+        the prompt's tokens with the output's) and prompt_logprobs."""
+        echoed = self.logprobs if self.echo else None
+        asked = [n for n in (echoed, self.prompt_logprobs) if n is not None]
+        return max(asked) if asked else None
 
 
 class GenerateSamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -283,6 +309,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     priority: Int = 0
     return_logprob: bool = False
     top_logprobs_num: Logprobs = 0
+    logprob_start_len: LogprobStartLen = -1
     cache_salt: CacheSalt | None = None
 
     def prompt(self) -> dict:
@@ -294,7 +321,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         sp = self.sampling_params
         constraint = _field_errors(generate_constraint, sp.json_schema, sp.regex, sp.ebnf)
         try:
-            return _sampling_params(
+            params = _sampling_params(
                 sp, constraint=constraint,
                 max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens,
                 max_tokens_param="max_new_tokens",
@@ -303,6 +330,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         except APIError as exc:
             exc.param = f"sampling_params.{exc.param}" if exc.param else exc.param
             raise
+        if self.return_logprob and self.logprob_start_len >= 0:
+            params.prompt_logprobs = self.top_logprobs_num
+        return params
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -499,6 +529,12 @@ def _field_errors(build, *args):
 def _check(cond: bool, message: str, param: str) -> None:
     if not cond:
         raise APIError(message, param)
+
+
+def _check_prompt_logprobs(prompt_logprobs: int | None, stream: bool) -> None:
+    """vLLM's refusal: a prompt's logprobs are a whole-body answer, not a stream's."""
+    _check(prompt_logprobs is None or not stream,
+           "prompt_logprobs is not available with stream: true", "prompt_logprobs")
 
 
 def _stops(stop: str | list[str] | None, max_stops: int) -> list[str]:

@@ -58,6 +58,23 @@ def _finish_reason(out: TextOut) -> str | None:
     return None if out.finish is None else out.finish.kind
 
 
+def vllm_prompt_logprobs(lps: list[LogprobOut] | None, top_n: int,
+                         token_str: Callable[[int], str]) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: null for the first token, then for each prompt token a dict
+    of token id -> {logprob, rank, decoded_token}: the token itself and the top_n likeliest."""
+    if lps is None:
+        return None
+    out: list[dict | None] = [None]
+    for lp in lps[1:]:
+        entry = {str(lp.token_id): {"logprob": lp.logprob, "rank": lp.rank,
+                                    "decoded_token": token_str(lp.token_id)}}
+        for rank, (tid, v) in enumerate(lp.top[:top_n], 1):
+            entry.setdefault(str(tid), {"logprob": v, "rank": rank,
+                                        "decoded_token": token_str(tid)})
+        out.append(entry)
+    return out
+
+
 class Renderer:
     """What the three APIs share: the response id, the model's name, token text."""
 
@@ -131,6 +148,7 @@ class ChatRenderer(_OpenAI):
     def __init__(self, rid: str, model: str, decode: Decode, req: ChatCompletionRequest) -> None:
         super().__init__(rid, model, decode, req)
         self.want_logprobs = req.logprobs
+        self.prompt_top_n = req.prompt_logprobs
         self.sent_role: set[int] = set()
         _, self.tools, _ = req.tool_plan()
         self.tool_stream = constraints.ChatToolStream(self.tools) if self.tools else None
@@ -158,7 +176,11 @@ class ChatRenderer(_OpenAI):
             message, reason = constraints.message(s.text, self.tools, s.finish_reason)
             choices.append({"index": s.index, "message": message,
                             "logprobs": self.logprobs(s.all_logprobs), "finish_reason": reason})
-        return self.body(choices, usage(subs), obj="chat.completion")
+        body = self.body(choices, usage(subs), obj="chat.completion")
+        if self.prompt_top_n is not None:  # vLLM's place: the response's, the choices share it
+            body["prompt_logprobs"] = vllm_prompt_logprobs(subs[0].prompt_logprobs,
+                                                           self.prompt_top_n, self.token_str)
+        return body
 
     def logprobs(self, lps: list[LogprobOut] | None) -> dict | None:
         if not self.want_logprobs or lps is None:
@@ -180,6 +202,8 @@ class CompletionRenderer(_OpenAI):
     def __init__(self, rid: str, model: str, decode: Decode, req: CompletionRequest) -> None:
         super().__init__(rid, model, decode, req)
         self.want_logprobs = req.logprobs is not None
+        self.top_n = req.logprobs or 0
+        self.prompt_top_n = req.prompt_logprobs
         self.echo = req.echo
         self.echo_done: set[int] = set()
 
@@ -189,32 +213,50 @@ class CompletionRenderer(_OpenAI):
         return self.decode(sub.msg.input_ids or [])
 
     def chunk(self, sub: SubRequest, out: TextOut) -> dict | None:
-        text = out.text
+        """With echo, a choice's first chunk starts with the prompt (and its logprobs), as
+        vLLM streams it; its first output carries the prompt's logprobs."""
+        text, prompt = out.text, None
         if self.echo and sub.index not in self.echo_done:
             self.echo_done.add(sub.index)
-            text = self.echo_text(sub) + text
+            text, prompt = self.echo_text(sub) + text, sub.prompt_logprobs
         reason = _finish_reason(out)
         if not text and not reason:
             return None
         return self.body([{"index": sub.index, "text": text,
-                           "logprobs": self.logprobs(out.logprobs), "finish_reason": reason}])
+                           "logprobs": self.logprobs(out.logprobs, prompt),
+                           "finish_reason": reason}])
 
     def final(self, subs: list[SubRequest]) -> dict:
-        choices = [{"index": s.index, "text": (self.echo_text(s) if self.echo else "") + s.text,
-                    "logprobs": self.logprobs(s.all_logprobs), "finish_reason": s.finish_reason}
-                   for s in subs]
+        choices = []
+        for s in subs:
+            choice = {"index": s.index, "text": (self.echo_text(s) if self.echo else "") + s.text,
+                      "logprobs": self.logprobs(s.all_logprobs,
+                                                s.prompt_logprobs if self.echo else None),
+                      "finish_reason": s.finish_reason}
+            if self.prompt_top_n is not None:
+                choice["prompt_logprobs"] = vllm_prompt_logprobs(
+                    s.prompt_logprobs, self.prompt_top_n, self.token_str)
+            choices.append(choice)
         return self.body(choices, usage(subs))
 
-    def logprobs(self, lps: list[LogprobOut] | None) -> dict | None:
-        if not self.want_logprobs or lps is None:
+    def logprobs(self, lps: list[LogprobOut] | None,
+                 prompt: list[LogprobOut] | None = None) -> dict | None:
+        """OpenAI's legacy shape; echoed, the prompt's tokens come first (the first with a
+        null logprob and null top_logprobs, as OpenAI gives it)."""
+        if not self.want_logprobs or (lps is None and prompt is None):
             return None
-        tokens = [self.token_str(lp.token_id) for lp in lps]
+        every = (prompt or []) + (lps or [])
+        tokens = [self.token_str(lp.token_id) for lp in every]
         offsets, pos = [], 0
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self.token_str(i): v for i, v in lp.top} for lp in lps],
+        first = 1 if prompt else 0  # the prompt's first token: nothing precedes it
+        return {"tokens": tokens,
+                "token_logprobs": [None] * first + [lp.logprob for lp in every[first:]],
+                "top_logprobs": [None] * first + [
+                    {self.token_str(i): v for i, v in lp.top[:self.top_n]}
+                    for lp in every[first:]],
                 "text_offset": offsets}
 
 
@@ -235,6 +277,7 @@ class GenerateRenderer(Renderer):
         super().__init__(rid, model, decode)
         self.want_logprobs = req.return_logprob
         self.top_logprobs = req.top_logprobs_num
+        self.prompt_from = req.logprob_start_len if req.return_logprob else -1
 
     def chunk(self, sub: SubRequest, out: TextOut) -> dict | None:
         if not out.text and out.finish is None:
@@ -259,4 +302,14 @@ class GenerateRenderer(Renderer):
             if self.top_logprobs:
                 m["output_top_logprobs"] = [[[v, t] for t, v in lp.top]
                                             for lp in sub.all_logprobs]
+        if self.prompt_from >= 0 and sub.prompt_logprobs is not None:
+            self.input_logprobs(m, sub.prompt_logprobs[self.prompt_from:], self.prompt_from)
         return m
+
+    def input_logprobs(self, m: dict, lps: list[LogprobOut], start: int) -> None:
+        """SGLang's input_token_logprobs from logprob_start_len on (the first token's null)."""
+        m["input_token_logprobs"] = [[None if start + j == 0 else lp.logprob, lp.token_id]
+                                     for j, lp in enumerate(lps)]
+        if self.top_logprobs:
+            m["input_top_logprobs"] = [None if start + j == 0 else [[v, t] for t, v in lp.top]
+                                       for j, lp in enumerate(lps)]

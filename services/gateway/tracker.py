@@ -30,6 +30,7 @@ class SubRequest:
     queue_time: float | None = None
     retractions: int = 0
     all_logprobs: list[LogprobOut] = field(default_factory=list)
+    prompt_logprobs: list[LogprobOut] | None = None  # one per prompt token, entry 0 null
     # event times on one monotonic clock, for the latency metrics
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
@@ -176,6 +177,8 @@ class Tracker:
                 sub.queue_time = out.queue_time
             if out.logprobs:
                 sub.all_logprobs += out.logprobs
+            if out.prompt_logprobs and sub.prompt_logprobs is None:  # resumed: sent once more
+                sub.prompt_logprobs = out.prompt_logprobs
             if out.finish is not None:
                 sub.finish = out.finish
                 sub.finished_at = now

@@ -317,7 +317,8 @@ def test_every_field_we_implement_is_accepted_together(stack):
             "repetition_penalty": 1, "logit_bias": {}, "ignore_eos": False, "min_tokens": 0,
             "skip_special_tokens": True, "include_stop_str_in_output": False, "priority": 0,
             "user": "u-1", "cache_salt": "s", "response_format": {"type": "text"},
-            "logprobs": None, "echo": False, "best_of": 1, "suffix": None}
+            "logprobs": None, "echo": False, "best_of": 1, "suffix": None,
+            "prompt_logprobs": None}
     resp = post(stack, CMPL, body)
     assert resp.status_code == 200, resp.text
     assert resp.json()["usage"]["completion_tokens"] == 2

@@ -282,14 +282,19 @@ class EngineCore:
         t0 = time.perf_counter()
         # a request samples once every token it has is computed (a prefill's last chunk, a
         # decode), on 1 + m rows when it verifies m drafts
-        num_logits = [1 + len(r.draft_ids) if r.num_computed + n == r.num_tokens + len(r.draft_ids)
-                      else 0 for r, n in zip(batch.reqs, batch.num_new, strict=True)]
+        samples = [1 + len(r.draft_ids) if r.num_computed + n == r.num_tokens + len(r.draft_ids)
+                   else 0 for r, n in zip(batch.reqs, batch.num_new, strict=True)]
+        num_logits = list(samples)
+        prompt_rows = self._prompt_logit_rows(batch, num_logits)
         logits = self.runner.forward(batch.reqs, batch.num_new, num_logits)
+        if prompt_rows:
+            logits = self._take_prompt_logprobs(batch, num_logits, prompt_rows, logits)
         t1 = time.perf_counter()
         stats = self._step_stats(batch, t1 - t0)
         self.scheduler.advance(batch)
         self.num_steps += 1
-        sampling = [(r, c) for r, c in zip(batch.reqs, num_logits, strict=True) if c]
+        sampling = [(r, c) for r, c in zip(batch.reqs, samples, strict=True) if c]
+        sampling, logits = self._end_unsampled(sampling, logits)
         if sampling:
             self._sample(logits, sampling, stats)
         stats.sample_s = time.perf_counter() - t1
@@ -301,6 +306,47 @@ class EngineCore:
                     outputs.append(out)
             elif req.is_finished:
                 outputs.append(self._finish_out(req))
+
+    # -- prompt logprobs (a request that asks: vLLM's prompt_logprobs, OpenAI's echo) ---------
+    @staticmethod
+    def _prompt_logit_rows(batch: ScheduledBatch, num_logits: list[int]) -> set[int]:
+        """The batch rows whose request collects prompt logprobs: they take logits for every
+        row of their chunk (set in num_logits); the last one is the sampling row as before."""
+        rows = {i for i, r in enumerate(batch.reqs)
+                if r.prompt_logprobs is not None and r.collects_prompt_logprobs}
+        for i in rows:
+            num_logits[i] = batch.num_new[i]
+        return rows
+
+    def _take_prompt_logprobs(self, batch: ScheduledBatch, num_logits: list[int],
+                              prompt_rows: set[int], logits: torch.Tensor) -> torch.Tensor:
+        """Turn the chunks' rows into prompt logprobs; returns the sampling rows alone."""
+        keep, off = [], 0
+        for i, (req, n) in enumerate(zip(batch.reqs, num_logits, strict=True)):
+            if i in prompt_rows:
+                prompt_logprobs(req, req.num_computed, logits[off:off + n])
+                if req.num_computed + n == req.num_tokens:  # it samples: its last row
+                    keep.append(off + n - 1)
+            elif n:  # a sampling row, or a verify's 1 + m
+                keep.extend(range(off, off + n))
+            off += n
+        return logits[keep]
+
+    def _end_unsampled(self, sampling: list[tuple[Request, int]], logits: torch.Tensor,
+                       ) -> tuple[list[tuple[Request, int]], torch.Tensor]:
+        """A request with max_tokens 0 (echo, or its prompt's logprobs alone) ends with its
+        prefill, `length` and no token; returns the requests that sample, and their rows."""
+        if all(r.params.max_new_tokens != 0 for r, _ in sampling):
+            return sampling, logits
+        kept, rows, off = [], [], 0
+        for req, count in sampling:
+            if req.params.max_new_tokens == 0:
+                self.scheduler.finish(req, Finish(kind="length"))
+            else:
+                kept.append((req, count))
+                rows.extend(range(off, off + count))
+            off += count
+        return kept, logits[rows]
 
     def _step_stats(self, batch: ScheduledBatch, forward_s: float) -> StepStats:
         real = [n - len(r.draft_ids) for r, n in zip(batch.reqs, batch.num_new, strict=True)]
@@ -480,6 +526,10 @@ class EngineCore:
             if req.initial_outputs:  # resumed: the detokenizer needs the left context
                 out.prior_ids = req.output_ids[: req.initial_outputs]
             req.reported_first = True
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent \
+                and not req.collects_prompt_logprobs:
+            out.prompt_logprobs = req.prompt_logprobs
+            req.prompt_logprobs_sent = True
         req.num_reported = req.num_generated
         req.pending_logprobs = []
         return out
@@ -567,6 +617,29 @@ class EngineCore:
             "grammar_compile_timeout": self.args.grammar_compile_timeout,
             "speculative": self.spec.info() if self.spec is not None else None,
         }
+
+
+def prompt_logprobs(req: Request, begin: int, rows: torch.Tensor) -> None:
+    """Append the logprobs of the prompt tokens that a chunk's rows predict (row j, at position
+    begin + j, predicts token begin + j + 1), skipping those a retracted run already gave.
+
+    One log-softmax over the chunk's rows, then a gather and a top-k: only those leave here."""
+    prompt, out = req.prompt_ids, req.prompt_logprobs
+    if not out:
+        out.append(LogprobOut(prompt[0], 0.0))  # nothing precedes it: no logprob
+    assert begin < len(out), "a chunk past the prompt logprobs so far (a cached prefix?)"
+    lo, hi = max(len(out), begin + 1), min(len(prompt), begin + rows.shape[0] + 1)
+    if lo >= hi:
+        return
+    lp = rows[lo - 1 - begin:hi - 1 - begin].float().log_softmax(-1)
+    ids = torch.tensor(prompt[lo:hi], device=lp.device)
+    chosen = lp.gather(1, ids[:, None])
+    ranks = (lp > chosen).sum(-1).add_(1).tolist()
+    k = req.params.prompt_logprobs
+    top_v, top_i = lp.topk(k, dim=-1)
+    for t, v, r, tv, ti in zip(prompt[lo:hi], chosen[:, 0].tolist(), ranks, top_v.tolist(),
+                               top_i.tolist(), strict=True):
+        out.append(LogprobOut(t, v, list(zip(ti, tv, strict=True)), rank=r))
 
 
 def scheduler_config(args: ServerArgs, max_model_len: int) -> SchedulerConfig:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from common.messages import Finish, SamplingParams, TokenizedReq
+from common.messages import Finish, LogprobOut, SamplingParams, TokenizedReq
 
 if TYPE_CHECKING:
     import torch
@@ -74,12 +74,18 @@ class Request:
     # of `tokens`: only the accepted ones are appended to output_ids)
     draft_ids: list[int] = field(default_factory=list)
     proposer_state: Any = None  # the proposer's own (NgramProposer: its n-gram index)
+    # prompt logprobs, only for a request that asks: one per prompt token computed so far
+    # (kept through retraction, so a recompute adds none twice), sent out once when complete
+    prompt_logprobs: list[LogprobOut] | None = None
+    prompt_logprobs_sent: bool = False
 
     def __post_init__(self) -> None:
         # An unseeded request still gets a fixed seed, so retraction never changes its text.
         self.seed = self.params.seed if self.params.seed is not None else random.getrandbits(63)
         self.num_reported = len(self.output_ids)
         self.initial_outputs = len(self.output_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = []
 
     @classmethod
     def from_msg(cls, msg: TokenizedReq) -> Request:
@@ -109,6 +115,12 @@ class Request:
     @property
     def num_to_compute(self) -> int:
         return self.num_tokens - self.num_computed
+
+    @property
+    def collects_prompt_logprobs(self) -> bool:
+        """Its prompt logprobs are not all computed yet: each prefill row counts."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(
+            self.prompt_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -17,6 +17,10 @@ from common.messages import Finish
 from services.scheduler.core.kv_pool import BlockPool
 from services.scheduler.core.request import Request, Status
 
+# Most prompt rows per step for a request that asks its prompt's logprobs: their logits are
+# [rows, vocab] (50 MB in float32 for SmolLM2's 49k vocabulary), plus the log-softmax of them.
+PROMPT_LOGPROBS_CHUNK = 256
+
 
 @dataclass
 class SchedulerConfig:
@@ -98,7 +102,7 @@ class Scheduler:
                 continue  # retracted as a victim earlier in this loop
             # a prompt's last token is a 1-token prefill chunk, and spends the budget like one
             prefill = self._is_prefill(req)
-            n = min(req.num_to_compute, self.config.chunked_prefill_size,
+            n = min(req.num_to_compute, self._chunk_size(req),
                     prefill_budget) if prefill else 1 + self._drafts_to_verify(req, prefill_budget)
             if n <= 0:
                 continue
@@ -124,6 +128,13 @@ class Scheduler:
             req.draft_ids = []
             m = 0
         return m
+
+    def _chunk_size(self, req: Request) -> int:
+        """A request collecting prompt logprobs takes the logits of every row of its chunk
+        (a 2,048-row chunk over a 49k vocabulary is 400 MB in float32): smaller chunks."""
+        if req.prompt_logprobs is not None and req.collects_prompt_logprobs:
+            return min(self.config.chunked_prefill_size, PROMPT_LOGPROBS_CHUNK)
+        return self.config.chunked_prefill_size
 
     @staticmethod
     def _is_prefill(req: Request) -> bool:
@@ -166,7 +177,7 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             self.running.append(req)
-            n = min(req.num_to_compute, self.config.chunked_prefill_size, prefill_budget)
+            n = min(req.num_to_compute, self._chunk_size(req), prefill_budget)
             if n <= 0:
                 continue  # static batching: admitted now, prefilled in later steps
             need = self._blocks_needed(req, n)
@@ -255,7 +266,9 @@ class Scheduler:
         if req.num_computed or req.block_table:
             return
         first_time = req.num_retractions == 0
-        if self.pool.enable_prefix_cache:
+        # A cached prefix has no logits: a request that wants its prompt's logprobs computes
+        # it all (its blocks are still registered for the others).
+        if self.pool.enable_prefix_cache and not req.collects_prompt_logprobs:
             hits = self.pool.match_prefix(self._hashes(req))
             self.pool.acquire(hits)
             req.block_table = list(hits)
