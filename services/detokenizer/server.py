@@ -12,7 +12,7 @@ from tokenizers import Tokenizer
 from common import tracing
 from common.config import ServerArgs
 from common.incremental import IncrementalText
-from common.logging import get_logger
+from common.logging import get_logger, request_logger
 from common.messages import (
     AbortReq,
     BatchTextOut,
@@ -29,6 +29,9 @@ from common.service import Service
 log = get_logger("detokenizer")
 
 STALE_S = 600.0
+# An aborted request's state waits this long for its scheduler's final 'abort' output (which
+# ends the client's stream); a request no scheduler ever saw sends none.
+ABORTED_GRACE_S = 10.0
 
 
 @dataclass
@@ -38,6 +41,8 @@ class Decoding:
     text: IncrementalText
     last_seen: float
     count: int = 0  # output tokens decoded (resumed ones' included): where the next must start
+    trace_id: str | None = None  # for its log lines
+    aborted: bool = False  # an abort was heard: its final output is on the way, or never comes
 
 
 class DetokenizerService(Service):
@@ -66,19 +71,21 @@ class DetokenizerService(Service):
         return s
 
     async def on_abort(self, msg: Message, headers: dict[str, str]) -> None:
-        # The scheduler's final 'abort' output still comes through and ends the stream; state
-        # for a request the scheduler never saw would otherwise linger, so drop it here too.
-        if isinstance(msg, AbortReq):
-            if msg.abort_all:
-                self.states.clear()
-            elif msg.rid:
-                for key in [k for k in self.states if k[0] == msg.rid
-                            and msg.scheduler_id in (None, k[1])]:
-                    del self.states[key]
-                if msg.scheduler_id is not None:
-                    return  # moved off that scheduler: the request itself goes on
-            for rid in list(self.spans) if msg.abort_all else [msg.rid] if msg.rid else []:
-                self._end_span(rid, Finish(kind="abort", message=msg.reason))
+        """An aborted request's outputs keep coming until the scheduler's final 'abort' one,
+        which ends the client's stream: its state stays to decode them in order (dropped
+        there, or after ABORTED_GRACE_S when no scheduler ever saw the request). A request
+        moved off a scheduler (`scheduler_id` set) restarts elsewhere: that state goes now."""
+        if not isinstance(msg, AbortReq):
+            return
+        if msg.rid and msg.scheduler_id is not None:
+            for key in [k for k in self.states if k == (msg.rid, msg.scheduler_id)]:
+                del self.states[key]
+            return
+        for key, state in self.states.items():
+            if msg.abort_all or key[0] == msg.rid:
+                state.aborted = True
+        for rid in list(self.spans) if msg.abort_all else [msg.rid] if msg.rid else []:
+            self._end_span(rid, Finish(kind="abort", message=msg.reason))
 
     async def on_tokens(self, msg: Message, headers: dict[str, str]) -> None:
         if not isinstance(msg, BatchTokenOut):
@@ -86,15 +93,16 @@ class DetokenizerService(Service):
         by_gateway: dict[str, list[TextOut]] = defaultdict(list)
         now = time.monotonic()
         arrived = tracing.now_ns() if self.traced else 0
-        for item in msg.items:
-            out = self._decode(item, msg.scheduler_id, now)
+        for i, item in enumerate(msg.items):
+            out = self._decode(item, msg.scheduler_id, now, (headers or {}).get(tracing.item_header(i)))
             by_gateway[item.gateway_id].append(out)
         for gateway_id, items in by_gateway.items():
             await self.bus.publish(self.subjects.gateway(gateway_id), BatchTextOut(items=items))
         if self.traced and (headers or self.spans):
             self._trace(msg, headers, arrived)
 
-    def _decode(self, item: TokenOut, scheduler_id: str, now: float) -> TextOut:
+    def _decode(self, item: TokenOut, scheduler_id: str, now: float,
+                traceparent: str | None) -> TextOut:
         """The item's text, or, when a message before it was lost (a NATS node died with it),
         no text and its offset: the gateway sees the count is off and resumes the request."""
         key = (item.rid, scheduler_id)
@@ -105,12 +113,13 @@ class DetokenizerService(Service):
             prior = item.prior_ids or []
             state = Decoding(IncrementalText(
                 self.tokenizer, item.stop, item.skip_special_tokens,
-                item.include_stop_str_in_output, prior=prior), now, len(prior))
+                item.include_stop_str_in_output, prior=prior), now, len(prior),
+                tracing.trace_id({tracing.TRACEPARENT: traceparent} if traceparent else None))
             self.states[key] = state
         if item.offset is not None and item.offset != state.count:
             del self.states[key]  # the text cannot go on without the tokens that were lost
-            log.warning("output lost on the way here", rid=item.rid, expected=state.count,
-                        got=item.offset)
+            request_logger(item.rid, state.trace_id, "detokenizer").warning(
+                "output lost on the way here", expected=state.count, got=item.offset)
             return TextOut(rid=item.rid, text="", token_ids=[], offset=item.offset,
                            scheduler_id=scheduler_id)
         state.text.push(item.token_ids)
@@ -139,7 +148,7 @@ class DetokenizerService(Service):
         """Open a request's span at its first output, under the context the scheduler put in
         the item's header; end it with the request."""
         for i, item in enumerate(msg.items):
-            if item.first and (tp := headers.get(tracing.item_header(i))):
+            if item.first and (tp := (headers or {}).get(tracing.item_header(i))):
                 if (moved := self.spans.pop(item.rid, None)) is not None:
                     moved.end()  # resumed on another scheduler: its first part ends here
                 self.spans[item.rid] = tracing.start_span(
@@ -155,10 +164,14 @@ class DetokenizerService(Service):
             tracing.end_with_finish(span, finish, attributes=attrs)
 
     async def _sweep(self) -> None:
-        """Drop state of requests nobody has sent tokens for in a long time (a dead scheduler)."""
         while True:
             await asyncio.sleep(30)
-            cutoff = time.monotonic() - STALE_S
-            for key in [k for k, d in self.states.items() if d.last_seen < cutoff]:
-                del self.states[key]
-                self._end_span(key[0], Finish(kind="error", message="no output for too long"))
+            self.sweep(time.monotonic())
+
+    def sweep(self, now: float) -> None:
+        """Drop state of requests nobody has sent tokens for in a long time (a dead scheduler),
+        or for a while since their abort (a scheduler that never saw them)."""
+        for key in [k for k, d in self.states.items()
+                    if d.last_seen < now - (ABORTED_GRACE_S if d.aborted else STALE_S)]:
+            del self.states[key]
+            self._end_span(key[0], Finish(kind="error", message="no output for too long"))

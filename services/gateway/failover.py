@@ -197,6 +197,8 @@ class Failover:
                 continue
             gaps, self.gaps = self.gaps, {}
             for sub in self.tracker.unfinished():
+                if sub.aborting:
+                    continue  # its final 'abort' output ends it, or the deadline does
                 if sub.msg.rid in gaps:
                     await self._resume(sub, "gap")
                 elif sub.suspect_since is not None and \

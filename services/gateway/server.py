@@ -228,6 +228,8 @@ class GatewayService(Service):
 
     async def abort_request(self, request: web.Request) -> web.Response:
         rid = abort_target(await request.read())
+        for sub in self.tracker.unfinished() if rid is None else self.tracker.of(rid):
+            sub.aborting = True
         if rid is None:
             await self.bus.publish(self.subjects.abort, AbortReq(abort_all=True,
                                                                  reason="aborted by operator"))

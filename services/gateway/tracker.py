@@ -50,6 +50,7 @@ class SubRequest:
     # until its next output in order, a request that hears nothing is resumed (failover.py).
     heard: float = field(default_factory=time.monotonic)  # its last message from the pipeline
     suspect_since: float | None = None
+    aborting: bool = False  # /abort_request asked its end: never resumed, whatever it misses
 
     @property
     def finish_reason(self) -> str | None:
@@ -102,6 +103,10 @@ class Tracker:
     def rids(self, rid: str) -> list[str]:
         """The sequences' rids of a response id; a sequence's own rid stands for itself."""
         return self.groups.get(rid, [rid])
+
+    def of(self, rid: str) -> list[SubRequest]:
+        """The sequences `rids(rid)` names that are still tracked."""
+        return [self.subs[r] for r in self.rids(rid) if r in self.subs]
 
     def in_use(self, rid: str) -> bool:
         return rid in self.groups or rid in self.subs

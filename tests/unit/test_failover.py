@@ -10,6 +10,7 @@ of the first scheduler never reaches the client.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -134,7 +135,39 @@ def test_abort_for_the_old_scheduler_drops_only_its_state(detok):
     asyncio.run(detok.on_abort(AbortReq(rid="r", scheduler_id="A"), {}))
     assert ("r", "A") not in detok.states and ("r", "B") in detok.states
     asyncio.run(detok.on_abort(AbortReq(rid="r"), {}))
-    assert not [k for k in detok.states if k[0] == "r"]
+    assert detok.states[("r", "B")].aborted  # kept for the outputs still on their way
+
+
+def test_an_aborted_request_streams_up_to_its_final_abort_without_a_gap(detok):
+    """The scheduler sends a few more steps before it reads the abort: they decode in order
+    (no 'lost output' that would resume the request), and the final one ends the stream."""
+    ids = detok.tokenizer.encode("Hello there, how are you").ids
+    tracker = _tracker("ab")
+    sub = tracker.subs["ab"]
+    gaps = []
+    tracker.on_gap = gaps.append
+    batches = [BatchTokenOut("A", [_item("ab", ids[:1], first=True)]),
+               AbortReq(rid="ab", reason="aborted by request"),
+               *[BatchTokenOut("A", [TokenOut(rid="ab", gateway_id="g", token_ids=[t],
+                                              offset=i)]) for i, t in enumerate(ids[1:3], 1)],
+               BatchTokenOut("A", [TokenOut(rid="ab", gateway_id="g", token_ids=[], offset=3,
+                                            finish=Finish(kind="abort"))])]
+    text = _client_text(detok, tracker, batches)
+    assert not gaps and sub.finish.kind == "abort"
+    assert text == detok.tokenizer.decode(ids[:3])
+    assert ("ab", "A") not in detok.states
+
+
+def test_an_aborted_request_no_scheduler_answers_for_is_swept_after_a_grace(detok):
+    from services.detokenizer.server import ABORTED_GRACE_S
+
+    now = time.monotonic()
+    asyncio.run(detok.on_tokens(BatchTokenOut("A", [_item("gone", [5], first=True)]), {}))
+    asyncio.run(detok.on_tokens(BatchTokenOut("A", [_item("live", [5], first=True)]), {}))
+    asyncio.run(detok.on_abort(AbortReq(rid="gone"), {}))
+    detok.sweep(now + ABORTED_GRACE_S + 1)
+    assert ("gone", "A") not in detok.states and ("live", "A") in detok.states
+    del detok.states[("live", "A")]
 
 
 def test_tracker_learns_the_owner_on_acceptance_and_keeps_a_moved_request_there():
