@@ -93,8 +93,9 @@ class DetokenizerService(Service):
         by_gateway: dict[str, list[TextOut]] = defaultdict(list)
         now = time.monotonic()
         arrived = tracing.now_ns() if self.traced else 0
+        headers = headers or {}
         for i, item in enumerate(msg.items):
-            out = self._decode(item, msg.scheduler_id, now, (headers or {}).get(tracing.item_header(i)))
+            out = self._decode(item, msg.scheduler_id, now, headers.get(tracing.item_header(i)))
             by_gateway[item.gateway_id].append(out)
         for gateway_id, items in by_gateway.items():
             await self.bus.publish(self.subjects.gateway(gateway_id), BatchTextOut(items=items))
