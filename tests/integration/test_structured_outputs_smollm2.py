@@ -11,10 +11,13 @@ import json
 import re
 
 import jsonschema
+import msgspec
 import pytest
 
 from bench import json_closeout as bench_json
 from common.messages import SamplingParams, StructuredOutputs
+from common.tool_calls import MAX_PARALLEL_TOOL_CALLS
+from services.gateway import constraints
 from tests.data.json_schemas import NESTED_SCHEMAS, SCHEMAS
 from tokenline import Engine
 
@@ -129,3 +132,37 @@ def test_budget_of_exactly_the_shortest_document_closes_and_one_less_is_refused(
     for out in outs[1:]:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), schema)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a given city",
+    "parameters": {"type": "object", "required": ["city"], "additionalProperties": False,
+                   "properties": {"city": {"type": "string"}}}}}
+
+
+def test_required_tool_calls_end_as_tool_calls_at_every_budget(engine):
+    """SmolLM2 writes the same call again and again: one call without parallel calls, at most
+    MAX_PARALLEL_TOOL_CALLS with them, and the reply ends as complete calls whatever the
+    budget (the gateway's finish_reason "tool_calls"), never a list cut by max_tokens."""
+    conv = [{"role": "user", "content": "What is the weather like in Paris?"}]
+    tools = [msgspec.convert(WEATHER, constraints.Tool)]
+    convs, params, plans = [], [], []
+    for parallel in (False, True):
+        so, plan, as_dicts = constraints.chat_plan(tools, "required", parallel, None, None)
+        for budget in (24, 40, 64, 400):
+            convs.append(conv)
+            params.append(SamplingParams(max_new_tokens=budget, temperature=0.9, seed=budget,
+                                         structured_outputs=so))
+            plans.append(plan)
+    outs = engine.chat(convs, params, use_tqdm=False, tools=as_dicts)
+    counts = []
+    for out, plan in zip(outs, plans, strict=True):
+        msg, reason = constraints.message(out.text, plan, out.finish_reason)
+        assert reason == "tool_calls", out.text
+        counts.append(len(msg["tool_calls"]))
+        for call in msg["tool_calls"]:
+            assert call["function"]["name"] == "get_weather"
+            jsonschema.validate(json.loads(call["function"]["arguments"]),
+                                WEATHER["function"]["parameters"])
+    assert counts[:4] == [1, 1, 1, 1]
+    assert all(1 <= n <= MAX_PARALLEL_TOOL_CALLS for n in counts[4:]), counts
