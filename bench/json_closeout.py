@@ -7,6 +7,7 @@ a step's grammar work costs: filling and applying the bitmasks (`mask_s`) and th
 (`closeout.py`), per constrained row.
 
     .venv/bin/python -m bench.json_closeout --requests 500
+    .venv/bin/python -m bench.json_closeout --requests 100 --no-closeout   # before: cut replies
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def outcome(out, params: SamplingParams) -> str:
 
 def instrument(core, costs: Costs) -> None:
     """Count each step's mask time and time the close-out's calls."""
-    step, choose = core.step, core.closer.choose
+    step = core.step
 
     def timed_step():
         outs = step()
@@ -81,7 +82,10 @@ def instrument(core, costs: Costs) -> None:
             costs.closeout_s += time.perf_counter() - t0
             costs.closeout_calls += 1
 
-    core.step, core.closer.choose = timed_step, timed_choose
+    core.step = timed_step
+    if core.closer is not None:
+        choose = core.closer.choose
+        core.closer.choose = timed_choose
 
 
 def run(engine, n: int, seed: int = 0) -> Costs:
@@ -99,10 +103,14 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-running-requests", type=int, default=128)
+    ap.add_argument("--no-closeout", action="store_true",
+                    help="without the close-out: what a reply cut by max_tokens looked like")
     args = ap.parse_args()
     from tokenline import Engine
 
     engine = Engine(max_total_tokens=60000, max_running_requests=args.max_running_requests)
+    if args.no_closeout:
+        engine.core.closer = None
     t0 = time.perf_counter()
     c = run(engine, args.requests, args.seed)
     wall = time.perf_counter() - t0
