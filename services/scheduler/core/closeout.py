@@ -9,7 +9,10 @@ tokens it has left fall below what the shortest way to finish its JSON costs.
 So by induction the closing always fits: it fits at the start (a budget that cannot hold the
 smallest document is refused: 400 naming max_tokens), and every step either keeps it fitting
 or starts writing it. A sampled reply is unconstrained until then; it never ends cut by the
-budget with half a document.
+budget with half a document. (Before the window the cost is measured only every REFRESH_STEPS
+steps, so a closing that grew by more than the window in that many tokens, a schema of deep
+required objects, could still outrun the budget and end with `length`; none of our thirty
+test schemas comes near.)
 
 The closing is found a character at a time on a fork of the matcher, as a JSON writer in a
 hurry would: inside a string, close it; outside, close an object or an array, end a number, or
@@ -42,7 +45,6 @@ class CloseoutState:
     last_cost: int = 0  # tokens the closing took when last measured
     since_check: int = 0
     forced: list[int] = field(default_factory=list)  # the rest of the closing being written
-    closing: bool = False
 
     def scan(self, data: bytes) -> None:
         for ch in data:
@@ -145,7 +147,6 @@ class JsonCloser:
             state.last_cost = len(path or [])
             return token
         path = self.closing(matcher, state) or [token]
-        state.closing = True
         state.forced = path[1:]
         return path[0]
 
