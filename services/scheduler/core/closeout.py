@@ -29,7 +29,9 @@ from typing import Any
 
 INSIDE = b'"'  # inside a string: close it
 OUTSIDE = b'}],0"[{tf-n'  # outside: close, separate, then the smallest values
-FALLBACK = bytes(range(32, 127))  # where neither works (a pattern, an enum): any ASCII
+# where neither works (a pattern, an enum): any ASCII; and in the middle of a character (a
+# token may end inside one), a UTF-8 continuation byte
+FALLBACK = bytes(range(32, 127)) + bytes(range(0x80, 0xC0))
 MAX_CLOSING_CHARS = 2048  # a grammar whose closing is longer gets no close-out
 MAX_PIECE = 16  # the longest token tried when the closing is cut into tokens
 WINDOW = 32  # checks start this many tokens (plus twice the last cost) before the end
@@ -106,13 +108,13 @@ class JsonCloser:
         """Take the next piece of the closing on `m`: a preferred character, else the only way
         on, else any character the grammar takes."""
         for ch in INSIDE if in_string else OUTSIDE:
-            if m.accept_string(chr(ch)):
+            if m.accept_string(bytes([ch])):
                 return bytes([ch])
-        forward = m.find_jump_forward_string()
+        forward = m.find_jump_forward_string().encode()
         if forward and m.accept_string(forward):
-            return forward.encode()
+            return forward
         for ch in FALLBACK:
-            if m.accept_string(chr(ch)):
+            if m.accept_string(bytes([ch])):
                 return bytes([ch])
         return None
 
