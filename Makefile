@@ -1,18 +1,18 @@
 # Two entry points: `make serve` and `make test`. Each installs what it needs into .venv first:
 # serving needs the package and its dependencies (and builds the C++ kernels); the tests add the
-# `test` extras on top.
+# `test` extras on top, and the client libraries they drive in venvs of their own.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SERVE_STAMP := $(VENV)/.installed-serve
 KERNEL_STAMP := $(VENV)/.kernels-built
 TEST_STAMP := $(VENV)/.installed-test
-# the client libraries the tests drive (lm-evaluation-harness, run as a subprocess): their pins
-# clash with ours and with each other, so each requirements file in tests/clients gets a venv
-# of its own, .venv-clients/NAME
+# the client libraries the tests drive (openai-agents, langchain-openai, pydantic-ai, lm-eval,
+# instructor): their pins clash with ours and with each other, so each requirements file in
+# tests/clients gets a venv of its own, .venv-clients/NAME
 CLIENTS := .venv-clients
 CLIENT_REQS := $(wildcard tests/clients/requirements-*.txt)
-CLIENTS_STAMP := $(CLIENTS)/.installed
+CLIENT_STAMPS := $(patsubst tests/clients/requirements-%.txt,$(CLIENTS)/%/.installed,$(CLIENT_REQS))
 # the C++ kernels and what they include: an edit rebuilds them here, not at a server's start
 KERNEL_SOURCES := $(wildcard services/scheduler/native/*.cpp services/scheduler/native/*.h)
 # the 15 slowest tests at the end of every run, so a regression shows
@@ -37,22 +37,20 @@ $(TEST_STAMP): $(SERVE_STAMP)
 	$(BIN)/pip install -e '.[test]'
 	touch $@
 
-$(CLIENTS_STAMP): $(CLIENT_REQS)
-	for req in $(CLIENT_REQS); do \
-		name=$$(basename $$req .txt | sed 's/^requirements-//'); \
-		rm -rf $(CLIENTS)/$$name && $(PY) -m venv $(CLIENTS)/$$name && \
-		$(CLIENTS)/$$name/bin/pip install -q -r $$req || exit 1; \
-	done
+$(CLIENTS)/%/.installed: tests/clients/requirements-%.txt
+	rm -rf $(CLIENTS)/$*
+	$(PY) -m venv $(CLIENTS)/$*
+	$(CLIENTS)/$*/bin/pip install -q -r $<
 	touch $@
 
 install-serve: $(KERNEL_STAMP)
 
-install: $(TEST_STAMP) $(CLIENTS_STAMP)
+install: $(TEST_STAMP) $(CLIENT_STAMPS)
 
 serve: $(KERNEL_STAMP)
 	$(BIN)/tokenline serve --host 127.0.0.1 --port 8000
 
-test: $(TEST_STAMP) $(KERNEL_STAMP) $(CLIENTS_STAMP)
+test: $(TEST_STAMP) $(KERNEL_STAMP) $(CLIENT_STAMPS)
 	$(PYTEST) -n 2 --dist loadfile tests
 
 # the edit loop: unit and integration tests without whole stacks

@@ -301,15 +301,18 @@ def parse(text: str, tagged: bool = True, name: str | None = None) -> tuple[str,
     return content, p.calls
 
 
+MAX_PARALLEL_TOOL_CALLS = 8  # calls in one reply under `required` with parallel calls allowed
+
+
 def required_schema(tools: list[dict], parallel: bool) -> dict:
-    """`tool_choice: "required"`: a list of at least one call to a known tool with valid
-    arguments (what vLLM and SGLang constrain to)."""
+    """`tool_choice: "required"`: a list of one call (`parallel_tool_calls: false`) or of 1 to
+    MAX_PARALLEL_TOOL_CALLS calls, each to a known tool with valid arguments (what vLLM and
+    SGLang constrain to). The bound is what ends the reply: a small model tends to write the
+    same call again and again, and without it the list only ended with the budget."""
     calls = [{"type": "object", "required": ["name", "arguments"], "additionalProperties": False,
               "properties": {"name": {"const": t["function"]["name"]},
                              "arguments": t["function"].get("parameters") or {"type": "object"}}}
              for t in tools]
-    schema: dict = {"type": "array", "minItems": 1,
-                    "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-    if not parallel:
-        schema["maxItems"] = 1
-    return schema
+    return {"type": "array", "minItems": 1,
+            "maxItems": MAX_PARALLEL_TOOL_CALLS if parallel else 1,
+            "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}

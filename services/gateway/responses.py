@@ -159,6 +159,9 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     service_tier: ServiceTier | None = None
     truncation: Literal["disabled"] | None = None
     reasoning: Reasoning | None = None
+    # extra output to include: none is produced here, so only an empty list (the Agents SDK
+    # sends one) is accepted
+    include: Annotated[list[str], Meta(max_length=16)] | None = None
 
     def check_unused(self, chat_template: str | None) -> None:
         _check(not self.store, "store: true is not supported: this server keeps no responses",
@@ -168,6 +171,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
                "previous_response_id")
         _check(not self.background, "background: true is not supported: a response is "
                "served on this request's connection", "background")
+        _check(not self.include, f"include: {self.include[0] if self.include else ''} is not "
+               "supported: this server adds nothing to a response", "include")
         reasons = any(mark in (chat_template or "") for mark in REASONING_MARKS)
         _check(self.reasoning is None or not reasons, "reasoning is not supported: this "
                "model's chat template reasons, and its settings are not passed on", "reasoning")

@@ -97,3 +97,47 @@ SCHEMAS: list[tuple[str, dict]] = [
                        "tls": {"type": "boolean"}, "mode": {"enum": ["dev", "prod"]},
                        "workers": {"type": "integer", "minimum": 1, "maximum": 64}}}),
 ]
+
+# Ten nested schemas with nothing bounded: free strings, free numbers, arrays of numbers with
+# no maxItems. Sampled hot, a small model can run on inside any of them; the close-out
+# (services/scheduler/core/closeout.py) must still end every reply as valid JSON.
+FREE = {"type": "string"}
+NUM = {"type": "number"}
+NUMS = {"type": "array", "items": NUM}
+
+
+def _obj(props: dict, required: list[str] | None = None) -> dict:
+    return {"type": "object", "additionalProperties": False,
+            "required": list(props) if required is None else required, "properties": props}
+
+
+NESTED_SCHEMAS: list[tuple[str, dict]] = [
+    ("Describe a city with its location and populations by year.", _obj({
+        "name": FREE, "location": _obj({"lat": NUM, "lon": NUM}), "populations": NUMS})),
+    ("Give a recipe with ingredients and steps.", _obj({
+        "title": FREE, "ingredients": {"type": "array", "items": _obj(
+            {"item": FREE, "grams": NUM})}, "steps": {"type": "array", "items": FREE}})),
+    ("Describe a sensor and its readings.", _obj({
+        "sensor": _obj({"id": FREE, "unit": FREE}), "readings": NUMS, "mean": NUM})),
+    ("Describe a student with grades per course.", _obj({
+        "student": FREE, "courses": {"type": "array", "items": _obj(
+            {"course": FREE, "grades": NUMS})}})),
+    ("Give a shape with its points.", _obj({
+        "kind": FREE, "points": {"type": "array", "items": NUMS},
+        "style": _obj({"color": FREE, "width": NUM})})),
+    ("Describe a company, its CEO and offices.", _obj({
+        "company": FREE, "ceo": _obj({"name": FREE, "age": NUM}),
+        "offices": {"type": "array", "items": _obj({"city": FREE, "staff": NUM})}})),
+    ("Write a blog post with comments.", _obj({
+        "post": _obj({"title": FREE, "body": FREE}), "comments": {"type": "array", "items": _obj(
+            {"author": FREE, "text": FREE, "likes": NUM}, ["author", "text"])}})),
+    ("Give a matrix and its name.", _obj({
+        "name": FREE, "rows": {"type": "array", "items": NUMS}, "det": NUM}, ["name", "rows"])),
+    ("Describe an order with a customer and lines.", _obj({
+        "customer": _obj({"name": FREE, "address": _obj({"street": FREE, "city": FREE})}),
+        "lines": {"type": "array", "items": _obj({"sku": FREE, "price": NUM, "qty": NUM})},
+        "total": NUM})),
+    ("Describe a weather forecast for several days.", _obj({
+        "place": FREE, "days": {"type": "array", "items": _obj(
+            {"day": FREE, "temps": NUMS, "summary": FREE})}})),
+]

@@ -170,7 +170,8 @@ BAD = {
     "responses store": (RESP, {"input": "hi", "store": True}, 400, "store", []),
     "responses previous_response_id": (RESP, {"input": "hi", "previous_response_id": "resp_1"},
                                        400, "previous_response_id", []),
-    "responses include": (RESP, {"input": "hi", "include": []}, 400, "include", []),
+    "responses include": (RESP, {"input": "hi", "include": ["message.output_text.logprobs"]},
+                          400, "include", ["message.output_text.logprobs"]),
     "responses max_output_tokens over the context": (
         RESP, {"input": "hi", "max_output_tokens": CONTEXT}, 400, "max_output_tokens",
         [str(CONTEXT)]),

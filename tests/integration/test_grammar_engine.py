@@ -68,14 +68,18 @@ def test_constrained_and_unconstrained_in_one_batch_of_32(engine):
         so = r.params.structured_outputs
         if so is None:
             continue
-        text = _text(engine, mixed[r.rid])
-        if finish[r.rid].kind == "stop":  # the grammar closed: the text is in its language
+        text, fin = _text(engine, mixed[r.rid]), finish[r.rid]
+        if fin.kind == "stop":  # the grammar closed: the text is in its language
             if so.regex:
                 assert re.fullmatch(REGEX, text), text
             elif so.choice:
                 assert text in so.choice
+            else:
+                assert set(json.loads(text)) == set(SCHEMA["required"])
+        elif so.json is not None:  # JSON is never cut: refused if the budget cannot hold it
+            assert fin.kind == "error" and fin.param == "max_tokens", fin
         else:
-            assert finish[r.rid].kind == "length"
+            assert fin.kind == "length"
     engine.check_integrity()
 
 

@@ -55,12 +55,14 @@ def _reqs(params: list[SamplingParams], prefix: str = "r") -> list[TokenizedReq]
             for i, p in enumerate(params)]
 
 
-def _run(model, params, spec: bool, proposer_from=None, **flags):
+def _run(model, params, spec: bool, proposer_from=None, closeout: bool = True, **flags):
     flags.setdefault("debug_check_integrity", True)
     if spec:
         flags.setdefault("speculative_algorithm", "NGRAM")
         flags.setdefault("speculative_num_draft_tokens", 4)
     engine = EngineCore(engine_args(model, **flags))
+    if not closeout:
+        engine.closer = None  # JSON runs on to max_tokens: the tokens the sampler drew
     if spec and proposer_from is not None:
         engine.spec.proposer = OracleProposer(proposer_from)
     outs = []
@@ -155,6 +157,28 @@ def test_a_json_schema_holds_under_drafts_the_grammar_cuts(tiny_model_dir):
     for g in got.values():
         if g["finish"].kind == "stop":
             json.loads(tok.decode(g["ids"]))  # complete JSON
+    assert engine.spec.stats.num_accepted_tokens > 0
+
+
+def test_the_json_close_out_replaces_an_accepted_draft_and_drops_the_drafts_after_it(
+        tiny_model_dir):
+    """Drafts that agree with every sampled token run past the point where the close-out
+    forces the JSON's closing: the replaced row's later drafts lose their KV, and the output
+    is the one without speculation (complete JSON within max_tokens)."""
+    schema = {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}
+    so = StructuredOutputs(json=json.dumps(schema), param="response_format")
+    params = [SamplingParams(max_new_tokens=n, temperature=1.0, seed=s, structured_outputs=so)
+              for n, s in [(14, 1), (17, 2), (21, 3), (26, 4)]]
+    drawn = _run(tiny_model_dir, params, spec=False, closeout=False)[1]
+    base = _run(tiny_model_dir, params, spec=False)[1]
+    engine, got = _run(tiny_model_dir, params, spec=True, proposer_from=_sequences(params, drawn))
+    assert got == base
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    for rid, g in got.items():
+        assert g["finish"].kind == "stop", rid
+        json.loads(tok.decode(g["ids"]))
+    closed = [rid for rid in got if got[rid]["ids"] != drawn[rid]["ids"]]
+    assert closed  # the close-out acted where the sampler alone would not have closed
     assert engine.spec.stats.num_accepted_tokens > 0
 
 

@@ -9,7 +9,14 @@ import jsonschema
 import pytest
 
 from common.messages import StructuredOutputs
-from common.tool_calls import ToolCallParser, parse, render_calls, required_schema, system_prompt
+from common.tool_calls import (
+    MAX_PARALLEL_TOOL_CALLS,
+    ToolCallParser,
+    parse,
+    render_calls,
+    required_schema,
+    system_prompt,
+)
 
 XLAM = ('Sure! <tool_call>[{"name": "get_weather", "arguments": {"city": "Paris", '
         '"days": {"n": [1, 2]}}}, {"name": "get_time", "arguments": {}}]</tool_call>')
@@ -93,3 +100,12 @@ def test_required_schema_allows_only_known_tools():
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert StructuredOutputs(json=json.dumps(schema)).kinds() == ["json"]
+
+
+def test_required_schema_bounds_parallel_calls():
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    call = {"name": "f", "arguments": {}}
+    schema = required_schema(tools, parallel=True)
+    jsonschema.validate([call] * MAX_PARALLEL_TOOL_CALLS, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([call] * (MAX_PARALLEL_TOOL_CALLS + 1), schema)

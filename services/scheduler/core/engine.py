@@ -91,6 +91,7 @@ class EngineCore:
             XGrammarBackend(self.info.tokenizer_json, self.runner.vocab_size,
                             sorted(self.eos_ids)),
             args.grammar_compile_timeout)
+        self.closer = self.grammars.backend.closer()
         self.compiling: list[Request] = []  # WAITING_FOR_GRAMMAR, in arrival order
         self._tokenizer = None
         self.requests: dict[str, Request] = {}
@@ -243,8 +244,39 @@ class EngineCore:
                     job.param), outputs)
                 continue
             req.grammar_job = None
-            self.scheduler.add(req)
+            if self._start_closeout(req, outputs):
+                self.scheduler.add(req)
         self.compiling = still
+
+    def _start_closeout(self, req: Request, outputs: list[TokenOut]) -> bool:
+        """Give a JSON request its close-out (`closeout.py`); False if its budget cannot hold
+        the shortest document its schema allows (the request ends with a 400)."""
+        kinds = req.params.structured_outputs.kinds()
+        if self.closer is None or kinds[0] not in ("json", "json_object"):
+            return True
+        req.closeout = self.closer.start(req.matcher.m, req.output_ids)
+        if req.closeout is None or req.closeout.last_cost <= self._remaining(req):
+            return True
+        self.scheduler.finish(req, Finish(
+            kind="error", status=400, param="max_tokens",
+            message=f"max_tokens: {self._remaining(req)} tokens cannot hold the shortest JSON "
+                    f"the schema allows ({req.closeout.last_cost} tokens with the end token)"))
+        outputs.append(self._finish_out(req))
+        return False
+
+    def _remaining(self, req: Request) -> int:
+        """Tokens the request may still write (max_tokens, and what the context leaves)."""
+        left = self.max_model_len - req.num_tokens
+        if req.params.max_new_tokens is not None:
+            left = min(left, req.params.max_new_tokens - req.num_generated)
+        return left
+
+    def _within_budget(self, req: Request, token: int) -> int:
+        """The token drawn, or the closing's next one where the drawn one would leave the JSON
+        too little budget to close."""
+        if req.closeout is None:
+            return token
+        return self.closer.choose(req.matcher.m, req.closeout, token, self._remaining(req))
 
     def _fail_grammar(self, req: Request, exc: GrammarError, outputs: list[TokenOut]) -> None:
         self.scheduler.finish(req, Finish(kind="error", message=str(exc), status=400,
@@ -377,14 +409,23 @@ class EngineCore:
                 self.scheduler.accept_drafts(req, accepted)
                 self.spec.record(len(drafts), accepted)
                 stats.num_accepted_tokens += accepted
-            for row in range(start, start + accepted + 1):
+            for j in range(accepted + 1):
+                row = start + j
                 if row in blocked:
                     self.scheduler.finish(req, Finish(
                         kind="error", status=400, param=req.params.structured_outputs.param,
                         message="the grammar allows no next token: the output cannot go on "
                                 "within the constraint"))
                     break
-                self._append_token(req, tokens[row], logprobs[row] if logprobs else None)
+                token, lp = tokens[row], logprobs[row] if logprobs else None
+                if (chosen := self._within_budget(req, token)) != token:
+                    # the JSON's closing instead (forced: probability 1); drafts after this
+                    # row were verified against the token it replaces, so their KV goes
+                    if j < accepted:
+                        self.scheduler.unaccept_drafts(req, accepted - j)
+                    self._append_token(req, chosen, lp and LogprobOut(chosen, 0.0))
+                    break
+                self._append_token(req, token, lp)
                 if req.is_finished:
                     break  # a stop inside the drafts: what follows it is not output
             start += count
@@ -469,6 +510,8 @@ class EngineCore:
             return Finish(kind="error", status=400, param=req.params.structured_outputs.param,
                           message=f"token {token} does not fit the grammar (a ban such as "
                                   "min_tokens removed every token the grammar allows)")
+        if req.closeout is not None:
+            self.closer.push(req.closeout, token)
         if req.matcher.is_terminated():
             return Finish(kind="stop", matched=token if token in req.params.stop_token_ids
                           else None)

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from common.messages import GRAMMAR_COMPILE_BUCKETS, StructuredOutputs
+from services.scheduler.core.closeout import JsonCloser
 
 CACHE_ENTRIES = 512
 COMPILE_THREADS = 2
@@ -66,6 +67,8 @@ class GrammarBackend(Protocol):
     def allocate_bitmask(self, rows: int) -> torch.Tensor: ...
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
                       rows: list[int]) -> None: ...
+    def closer(self) -> JsonCloser | None:
+        """What closes JSON within a request's budget (`closeout.py`), if the backend can."""
 
 
 def constraint_text(so: StructuredOutputs) -> tuple[str, str]:
@@ -139,6 +142,10 @@ class XGrammarBackend:
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor,
                       rows: list[int]) -> None:
         self.xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)
+
+    def closer(self) -> JsonCloser:
+        return JsonCloser(self.info.decoded_vocab, self.info.special_token_ids,
+                          self.info.stop_token_ids[0])
 
 
 class _XGrammarMatcher:

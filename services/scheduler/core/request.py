@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from common.incremental import IncrementalText
+    from services.scheduler.core.closeout import CloseoutState
     from services.scheduler.core.grammar import GrammarJob, Matcher
 
 
@@ -65,6 +66,7 @@ class Request:
     # exactly output_ids, through retraction too)
     grammar_job: GrammarJob | None = None
     matcher: Matcher | None = None
+    closeout: CloseoutState | None = None  # JSON: its closing always fits its budget
     # penalties' state, only for a request that has penalties: [V] output token counts, and
     # [V] whether a token is in the prompt or the output
     output_counts: torch.Tensor | None = None

@@ -355,6 +355,16 @@ class Scheduler:
             self.pool.release(req.block_table[keep:])
             del req.block_table[keep:]
 
+    def unaccept_drafts(self, req: Request, n: int) -> None:
+        """The last `n` drafts `accept_drafts` kept are not output after all (a token before
+        them was replaced): their slots lie past num_computed again. Nothing was cached from
+        them: blocks are registered at a step's advance or a request's end, not here."""
+        req.num_computed -= n
+        keep = self._num_blocks(req.num_computed + 1)
+        if len(req.block_table) > keep:
+            self.pool.release(req.block_table[keep:])
+            del req.block_table[keep:]
+
     def _blocks_needed(self, req: Request, n: int) -> int:
         return max(0, self._num_blocks(req.num_computed + n) - len(req.block_table))
 
