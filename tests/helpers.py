@@ -71,10 +71,19 @@ def run_engine(engine, reqs, max_steps: int = 100000):
     return tokens, finish, steps
 
 
+# The KV pool of a test stack that does not size its own. The default (--cpu-memory-gib 4:
+# 2.76 GiB for SmolLM2) costs a scheduler's start 10-20 s on a VM whose memory is fragmented:
+# the scheduler asks for 2 MiB pages (its __main__), and the kernel compacts memory for each
+# on first touch. No test needs more than this unless it says so.
+TEST_KV_TOKENS = "16384"
+
+
 class Stack(TokenlineServer):
     """`tokenline serve` in a subprocess, with its own embedded NATS server."""
 
     def __init__(self, *flags: str, env: dict | None = None, timeout: float = 120) -> None:
+        if not {"--max-total-tokens", "--cpu-memory-gib"} & set(flags):
+            flags = (*flags, "--max-total-tokens", TEST_KV_TOKENS)
         super().__init__(*flags, env=env, timeout=timeout)
 
 

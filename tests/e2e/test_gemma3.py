@@ -6,6 +6,8 @@ answers chat requests with a 400."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 
 import aiohttp
 import pytest
@@ -41,8 +43,27 @@ def gguf():
 
 
 @pytest.fixture(scope="module")
-def reference(gguf):
-    """transformers' greedy tokens, loading the GGUF itself (gguf_file=), in float32."""
+def reference(gguf, request):
+    """transformers' greedy tokens, loading the GGUF itself (gguf_file=), in float32.
+
+    Its load dequantizes the file in numpy (about 90 s on 2 cores): the tokens are kept in
+    pytest's cache under the file's identity, transformers' version and the prompts, so the
+    edit loop computes them once (a fresh clone, as CI runs, always does)."""
+    import transformers
+
+    stat = gguf.stat()
+    key = "tokenline/gemma3-reference/" + hashlib.sha256(json.dumps(
+        [str(gguf), stat.st_size, stat.st_mtime_ns, transformers.__version__, PROMPTS, NEW]
+    ).encode()).hexdigest()[:16]
+    cached = request.config.cache.get(key, None)
+    if cached is not None:
+        return {p: (n, ids) for p, (n, ids) in cached.items()}
+    out = _transformers_reference(gguf)
+    request.config.cache.set(key, out)
+    return out
+
+
+def _transformers_reference(gguf) -> dict[str, tuple[int, list[int]]]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = {"gguf_file": gguf.name}
