@@ -44,7 +44,7 @@ def loaded() -> dict[str, dict]:
     out = {}
     for q in ("none", "int8", "int4"):
         # the scheduler's own environment: huge pages for large tensors (its __main__ sets it)
-        env = {**os.environ, "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE", "1")}
+        env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
         run = subprocess.run([sys.executable, "-c", SCRIPT, q], cwd=REPO, capture_output=True,
                              text=True, timeout=600, check=True, env=env)
         out[q] = json.loads(run.stdout.strip().splitlines()[-1])
