@@ -1,13 +1,15 @@
 """One embedded NATS node against a 3-node NATS cluster, measured in one run.
 
     tokenline bench nats --num-prompts 64 --max-tokens 32 --rounds 2
+    tokenline bench nats --hops --messages 20000 --rounds 3    # each hop's message rate
 
 Each configuration is a fresh `tokenline serve` (the same services, the same model; only
 `--nats-cluster` differs) and the same 64 requests at once through `run_benchmark`. The rounds
 alternate the order, so a drift in the machine's background load hits both; the ratios
 (cluster / one node) are of the means over rounds. With a cluster each service connects to a
 node of its own choosing, so a request's messages may cross a route between nodes: that hop is
-what the cluster costs.
+what the cluster costs. `--hops` measures each hop's message rate at the limit instead, with
+no model (`bench/nats_hops.py`).
 """
 
 from __future__ import annotations
@@ -60,9 +62,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--result-json")
     p.add_argument("--server-flag", action="append", default=[],
                    help="one more flag for `tokenline serve` (repeat), e.g. --model=DIR")
+    p.add_argument("--hops", action="store_true",
+                   help="each hop's message rate at the limit, one node against the cluster "
+                   "(no model, no tokenline serve)")
+    p.add_argument("--messages", type=int, default=20000,
+                   help="--hops: messages per published hop (a quarter of it per "
+                   "acknowledged one)")
     args = p.parse_args(argv)
-    if args.rounds < 1 or args.num_prompts < 1:
-        p.error("--rounds and --num-prompts: at least 1")
+    if args.rounds < 1 or args.num_prompts < 1 or args.messages < 4:
+        p.error("--rounds and --num-prompts: at least 1; --messages: at least 4")
+    if args.hops:
+        return hop_rates(args)
     requests = load_jsonl(args.dataset_path, args.num_prompts)
     for r in requests:
         r.max_tokens = min(r.max_tokens, args.max_tokens or r.max_tokens)
@@ -84,6 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.result_json:
         Path(args.result_json).write_text(json.dumps({"rows": rows, "ratios": out}, indent=2))
     return 0
+
+
+def hop_rates(args: argparse.Namespace) -> int:
+    from bench.nats_hops import run, summary
+
+    rows = run(args.messages, args.rounds)
+    print("\n".join(summary(rows)))
+    if args.result_json:
+        Path(args.result_json).write_text(json.dumps({"hops": rows}, indent=2))
+    return 1 if any(r["lost"] for r in rows) else 0
 
 
 if __name__ == "__main__":

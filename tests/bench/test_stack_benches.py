@@ -34,3 +34,22 @@ def test_routing_one_scheduler_finds_every_later_turns_history(tiny_model_dir, t
     # each of the 5 later turns re-sends a history that starts with the 1,024-token system
     # prompt, cached by the turn before it
     assert row["total_cached_tokens"] >= 5 * 1024
+
+
+def test_nats_hops_measures_every_hop_on_one_node_and_across_a_clusters_route(tmp_path):
+    from bench import nats_cluster
+
+    out = tmp_path / "hops.json"
+    assert nats_cluster.main(["--hops", "--messages", "200", "--rounds", "1",
+                              "--result-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["hops"]
+    hops = ["gateway -> tokenizer", "tokenizer -> scheduler", "scheduler -> detokenizer",
+            "detokenizer -> gateway"]
+    for config in ("1 NATS node", "3-node NATS cluster"):
+        mine = [r for r in rows if r["config"] == config]
+        assert [r["hop"] for r in mine] == hops
+        # acknowledged hops send a quarter as many; every one arrived, at a measured rate
+        assert [r["delivered"] for r in mine] == [50, 50, 200, 200]
+        assert all(r["lost"] == 0 and r["msgs_per_s"] > 0 for r in mine)
+    # a step's 64 outputs and a 300-token prompt are the size the services send
+    assert all(r["bytes"] > 1000 for r in rows)
