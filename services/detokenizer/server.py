@@ -32,6 +32,9 @@ STALE_S = 600.0
 # An aborted request's state waits this long for its scheduler's final 'abort' output (which
 # ends the client's stream); a request no scheduler ever saw sends none.
 ABORTED_GRACE_S = 10.0
+# How often stale and aborted states are looked for: often enough that an aborted request's
+# state goes within a few seconds of its grace (a pass reads each state's clock, nothing more).
+SWEEP_EVERY_S = 2.0
 
 
 @dataclass
@@ -166,7 +169,7 @@ class DetokenizerService(Service):
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(30)
+            await asyncio.sleep(SWEEP_EVERY_S)
             self.sweep(time.monotonic())
 
     def sweep(self, now: float) -> None:
