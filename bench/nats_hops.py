@@ -14,15 +14,23 @@ it, between two connections of their own (a sender and a receiver, as two servic
 On one node both ends connect to it. On the cluster the sender connects to node 0 and the
 receiver to node 1, so every message crosses a route: the worst case of a cluster, where a
 service and the next one on a request's path picked different nodes. Published hops send in
-bursts of 256 with a flush after each, as a step's output is; a message the receiver never
-gets (a slow consumer's drop) counts as lost. The configurations alternate round by round.
+bursts of 256 with a flush after each, as a step's output is, and keep at most 1,024 on their
+way: across a route a sender's flush is answered by its own node, so an unpaced sender buries
+a slower receiver, whose node cuts it off as a slow consumer at 64 MiB pending (measured:
+half of 60,000 step outputs lost that way); a message the receiver never gets counts as lost.
+Both ends run in this one Python process, as a service's connection is driven by one event
+loop: the rates are what a Python service sustains over each broker setup, far above what a
+model's steps produce. The configurations alternate round by round, each on fresh nodes,
+measured once the cluster's routes have formed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +41,7 @@ from services.launcher.nats import NatsServer, cluster
 
 WINDOW = 64  # acknowledged messages in flight, as 64 requests arriving at once
 BURST = 256  # published messages between flushes
+AHEAD = 1024  # published messages sent and not yet received, at most
 
 
 def _params() -> messages.SamplingParams:
@@ -95,13 +104,14 @@ async def _published_rate(send_url: str, recv_url: str, data: bytes,
                           count: int) -> dict[str, Any]:
     sender, receiver = await nats.connect(send_url), await nats.connect(recv_url)
     got = 0
-    all_in = asyncio.Event()
+    want = 0  # the receiver's count the sender waits for before its next burst
+    caught_up = asyncio.Event()
     try:
         async def on_msg(_msg) -> None:
             nonlocal got
             got += 1
-            if got >= count:
-                all_in.set()
+            if got >= want:
+                caught_up.set()
 
         await receiver.subscribe("bench.hop", cb=on_msg, pending_msgs_limit=1 << 20,
                                  pending_bytes_limit=1 << 30)
@@ -113,10 +123,16 @@ async def _published_rate(send_url: str, recv_url: str, data: bytes,
             for _ in range(min(BURST, count - start)):
                 await sender.publish("bench.hop", data)
             await sender.flush()
-        try:
-            await asyncio.wait_for(all_in.wait(), 30)
-        except TimeoutError:
-            pass
+            # at most AHEAD messages on their way: a flush only says the sender's node has
+            # them, and across a route nothing slows a sender down to its receiver's pace
+            sent = min(start + BURST, count)
+            want = count if sent == count else sent - AHEAD
+            if got < want:
+                caught_up.clear()
+                try:
+                    await asyncio.wait_for(caught_up.wait(), 10)
+                except TimeoutError:
+                    break  # the rest was lost (a slow consumer cut off): counted below
         seconds = time.perf_counter() - t0
     finally:
         await sender.close()
@@ -136,6 +152,28 @@ def measure_hops(send_url: str, recv_url: str, count: int) -> dict[str, dict[str
     return out
 
 
+def wait_routed(nodes: list[NatsServer], settle: float = 2.0, timeout: float = 20.0) -> None:
+    """Until every node has a route to every other, and then `settle` seconds more: two nodes
+    that dialled each other at once close one of the pair about a second after start
+    ("Duplicate Route"), and what a sender published meanwhile was lost on the one closed."""
+    deadline = time.monotonic() + timeout
+    for node in nodes:
+        if node.monitor_port is None:
+            continue
+        while True:
+            url = f"http://{node.host}:{node.monitor_port}/routez"
+            with urllib.request.urlopen(url, timeout=2) as r:
+                remotes = {route["remote_id"] for route in json.load(r)["routes"]}
+            if len(remotes) == len(nodes) - 1:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"NATS node {node.url}: routes to {len(remotes)} of "
+                                   f"{len(nodes) - 1} others after {timeout}s")
+            time.sleep(0.1)
+    if len(nodes) > 1:
+        time.sleep(settle)
+
+
 def run(count: int, rounds: int) -> list[dict[str, Any]]:
     """Rows of (config, round, hop, rate), one node and the cluster alternating."""
     rows = []
@@ -146,6 +184,7 @@ def run(count: int, rounds: int) -> list[dict[str, Any]]:
             for node in nodes:
                 node.start()
             try:
+                wait_routed(nodes)
                 recv = nodes[1 % len(nodes)].url
                 for hop, res in measure_hops(nodes[0].url, recv, count).items():
                     rows.append({"config": label, "round": rnd, **res})
