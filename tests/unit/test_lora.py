@@ -1,0 +1,128 @@
+"""LoRA adapters built and run by peft itself give the same logits through our runner, mixed
+with other adapters and the base in one packed step; bad adapter directories fail naming the
+problem."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.scheduler.executor.model_runner import ModelRunner
+from services.scheduler.models.lora import load_adapter
+
+# name -> LoraConfig arguments: ranks, targets (fused q/k/v and gate/up shards, o, down), rsLoRA
+ADAPTERS = {
+    "qv8": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    "all16": dict(r=16, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                      "gate_proj", "up_proj", "down_proj"]),
+    "mlp4rs": dict(r=4, lora_alpha=32, use_rslora=True, target_modules=["up_proj", "down_proj"]),
+}
+
+
+@dataclass
+class Seq:
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    draft_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    lora_name: str | None = None
+
+
+def peft_model(base: Path, config: dict, seed: int):
+    """A peft LoRA model over `base` with non-zero B (peft starts B at zero: no change)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model = get_peft_model(model, LoraConfig(lora_dropout=0.0, **config)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_dir, tmp_path_factory):
+    """name -> (directory, peft's logits of PROMPTS[name])."""
+    root = tmp_path_factory.mktemp("lora")
+    out = {}
+    for seed, (name, config) in enumerate(ADAPTERS.items()):
+        model = peft_model(tiny_model_dir, config, seed)
+        model.save_pretrained(str(root / name))
+        with torch.no_grad():
+            out[name] = (root / name, model(torch.tensor([PROMPTS[name]])).logits[0])
+    return out
+
+
+PROMPTS = {"qv8": list(range(1000, 1023)), "all16": list(range(2000, 2040)),
+           "mlp4rs": list(range(3000, 3017)), None: list(range(4000, 4031))}
+
+
+def test_mixed_batch_of_three_adapters_and_base_matches_peft(tiny_model_dir, adapters):
+    from transformers import AutoModelForCausalLM
+
+    runner = ModelRunner(tiny_model_dir, max_total_tokens=1024, device="cpu", dtype="float32")
+    runner.enable_lora({n: d for n, (d, _) in adapters.items()}, max_rank=16, max_per_batch=4)
+    order = ["qv8", None, "all16", "mlp4rs"]
+    reqs, next_block = [], 0
+    for name in order:
+        ids = PROMPTS[name]
+        blocks = -(-len(ids) // runner.page_size)
+        reqs.append(Seq(ids, block_table=list(range(next_block, next_block + blocks)),
+                        lora_name=name))
+        next_block += blocks
+    lens = [len(r.prompt_ids) for r in reqs]
+    logits = runner.forward(reqs, lens, lens).split(lens)
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with torch.no_grad():
+        refs = {None: base(torch.tensor([PROMPTS[None]])).logits[0]}
+    refs.update({n: ref for n, (_, ref) in adapters.items()})
+    for name, ours in zip(order, logits, strict=True):
+        assert (ours - refs[name]).abs().max().item() < 1e-4, name
+        if name is not None:  # the adapter really changed the output
+            assert (refs[name] - base_logits(base, PROMPTS[name])).abs().max().item() > 1e-2
+
+
+def base_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def _runner_model(tiny_model_dir):
+    return ModelRunner(tiny_model_dir, max_total_tokens=256, device="cpu",
+                       dtype="float32").model
+
+
+def test_bad_adapter_dirs_name_the_problem(tiny_model_dir, adapters, tmp_path):
+    import shutil
+
+    model = _runner_model(tiny_model_dir)
+    src = adapters["all16"][0]
+    with pytest.raises(ValueError, match="rank 16 exceeds --max-lora-rank 8"):
+        load_adapter("x", src, model, max_rank=8)
+    missing = tmp_path / "missing"
+    shutil.copytree(src, missing)
+    (missing / "adapter_model.safetensors").unlink()
+    with pytest.raises(ValueError, match="adapter_model.safetensors missing"):
+        load_adapter("x", missing, model, max_rank=16)
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(src, corrupt)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00garbage")
+    with pytest.raises(ValueError, match="adapter_model.safetensors corrupt"):
+        load_adapter("x", corrupt, model, max_rank=16)
+    unknown = tmp_path / "unknown"
+    shutil.copytree(src, unknown)
+    config = json.loads((unknown / "adapter_config.json").read_text())
+    config["target_modules"] = ["q_proj", "fc_in"]
+    (unknown / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="fc_in"):
+        load_adapter("x", unknown, model, max_rank=16)
+    with pytest.raises(ValueError, match="adapter_config.json missing"):
+        load_adapter("x", tmp_path, model, max_rank=16)
