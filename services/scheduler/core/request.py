@@ -99,6 +99,7 @@ class Request:
             gateway_id=msg.gateway_id,
             priority=msg.priority,
             cache_salt=msg.cache_salt,
+            lora_name=msg.lora_name,
             output_ids=list(msg.output_ids),
             predicted_cached=msg.predicted_cached_tokens,
         )
