@@ -65,10 +65,14 @@ PROMPTS = {"qv8": list(range(1000, 1023)), "all16": list(range(2000, 2040)),
            "mlp4rs": list(range(3000, 3017)), None: list(range(4000, 4031))}
 
 
-def test_mixed_batch_of_three_adapters_and_base_matches_peft(tiny_model_dir, adapters):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mixed_batch_of_three_adapters_and_base_matches_peft(tiny_model_dir, adapters, dtype):
+    """float32: within 1e-4 of peft's float32 logits (measured 4e-6). bfloat16 (whatever this
+    CPU runs of it): off peft's float32 logits by under a fifth of what the adapter changes
+    (measured 0.05-0.12 against 2.6-5.2)."""
     from transformers import AutoModelForCausalLM
 
-    runner = ModelRunner(tiny_model_dir, max_total_tokens=1024, device="cpu", dtype="float32")
+    runner = ModelRunner(tiny_model_dir, max_total_tokens=1024, device="cpu", dtype=dtype)
     runner.enable_lora({n: d for n, (d, _) in adapters.items()}, max_rank=16, max_per_batch=4)
     order = ["qv8", None, "all16", "mlp4rs"]
     reqs, next_block = [], 0
@@ -85,9 +89,13 @@ def test_mixed_batch_of_three_adapters_and_base_matches_peft(tiny_model_dir, ada
         refs = {None: base(torch.tensor([PROMPTS[None]])).logits[0]}
     refs.update({n: ref for n, (_, ref) in adapters.items()})
     for name, ours in zip(order, logits, strict=True):
-        assert (ours - refs[name]).abs().max().item() < 1e-4, name
-        if name is not None:  # the adapter really changed the output
-            assert (refs[name] - base_logits(base, PROMPTS[name])).abs().max().item() > 1e-2
+        error = (ours.float() - refs[name]).abs().max().item()
+        if name is None:
+            assert error < (1e-4 if dtype == "float32" else 0.1), name
+            continue
+        effect = (refs[name] - base_logits(base, PROMPTS[name])).abs().max().item()
+        assert effect > 1e-2, name  # the adapter really changes the output
+        assert error < (1e-4 if dtype == "float32" else effect / 5), (name, error, effect)
 
 
 def base_logits(model, ids: list[int]) -> torch.Tensor:
