@@ -167,3 +167,37 @@ def test_engine_mixed_adapters_generate_as_each_alone(tiny_model_dir, adapters):
     firsts = {prefix_block_hashes(prompt, 16, None, n)[0] for n in [None, *ADAPTERS]}
     assert len(firsts) == len(ADAPTERS) + 1
     alone.check_integrity()
+
+
+def test_adapters_past_the_bound_are_evicted_and_read_back(tiny_model_dir, adapters):
+    from services.scheduler.models.lora import LoraSet
+
+    lora = LoraSet(_runner_model(tiny_model_dir), {n: d for n, (d, _) in adapters.items()},
+                   max_rank=16, max_per_batch=1, max_loaded=1)
+    first = lora.get("qv8")
+    assert lora.get("qv8") is first  # kept while it is the most recent
+    lora.get("all16")
+    assert list(lora.loaded) == ["all16"]
+    again = lora.get("qv8")
+    assert again is not first and torch.equal(again.weights["layers.0.self_attn.qkv_proj"][0],
+                                              first.weights["layers.0.self_attn.qkv_proj"][0])
+    with pytest.raises(ValueError, match="--max-loras-per-batch 1"):
+        lora.activate(["qv8", "all16"], [1, 1])
+
+
+def test_smollm2_adapter_matches_peft(smol_path, tmp_path):
+    """The real model: an adapter on every projection, within 1e-3 of peft's logits (float32;
+    the base alone is within about 1e-4 of transformers, test_model_logits.py)."""
+    config = dict(r=16, lora_alpha=32, target_modules=list(TARGETS_ALL))
+    model = peft_model(smol_path, config, seed=7)
+    model.save_pretrained(str(tmp_path / "smol"))
+    ids = list(range(1000, 1040))
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    runner = ModelRunner(smol_path, max_total_tokens=512, device="cpu", dtype="float32")
+    runner.enable_lora({"smol": tmp_path / "smol"}, max_rank=16, max_per_batch=1)
+    ours = runner.forward([Seq(ids, block_table=[0, 1, 2], lora_name="smol")], [40], [40])
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
