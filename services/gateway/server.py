@@ -272,7 +272,7 @@ class GatewayService(Service):
         """The ids a request with this prompt or these messages would be scheduled with: the
         tokenizer service encodes them, through the code a generation request passes."""
         req = await self._body(request, TokenizeRequest)
-        check_model(req.model, self.model_name)
+        self._adapter(req.model)  # an adapter tokenizes as its base
         msg = req.to_msg()
         if msg.messages is not None and self.info.chat_template is None:
             raise APIError("this model has no chat template: tokenize a `prompt`, or start the "
@@ -283,7 +283,7 @@ class GatewayService(Service):
 
     async def detokenize(self, request: web.Request) -> web.Response:
         req = await self._body(request, DetokenizeRequest)
-        check_model(req.model, self.model_name)
+        self._adapter(req.model)
         return _json({"prompt": self.decode(req.ids(self.info.vocab_size))})
 
     # -- generation routes ----------------------------------------------------------------------
@@ -308,7 +308,7 @@ class GatewayService(Service):
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API, as the chat completion it translates to."""
         req = await self._body(request, anthropic.MessagesRequest)
-        check_model(req.model, self.model_name)
+        lora = self._adapter(req.model)
         if self.info.chat_template is None:
             raise APIError("this model has no chat template: use /v1/completions or /generate, "
                            "or start the server with --chat-template FILE", "messages")
@@ -316,8 +316,8 @@ class GatewayService(Service):
         prompt = chat.prompt()
         params = chat.to_params(self.info.vocab_size, self.args.max_stop_strings)
         rid = f"msg_{uuid.uuid4().hex}"
-        renderer = MessagesRenderer(rid, self.model_name, self.decode, chat)
-        subs = sequences(rid, self.instance_id, [prompt], params, 1, 0)
+        renderer = MessagesRenderer(rid, lora or self.model_name, self.decode, chat)
+        subs = sequences(rid, self.instance_id, [prompt], params, 1, 0, lora_name=lora)
         return await self._run(request, subs, req.stream, renderer)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:

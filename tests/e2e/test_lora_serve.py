@@ -69,3 +69,16 @@ async def test_unknown_adapter_is_a_404_naming_it(stack):
     assert status == 404 and "parrot" in body["error"]["message"], body
     status, body = await _post(stack.url, "/generate", {"text": "hi", "lora_path": "parrot"})
     assert status == 404 and "parrot" in body["error"]["message"], body
+
+
+async def test_every_generation_route_takes_the_adapter(stack):
+    messages = [{"role": "user", "content": "Hello"}]
+    status, chat = await _post(stack.url, "/v1/chat/completions", {
+        "model": "pirate", "messages": messages, "max_tokens": 4})
+    assert status == 200 and chat["model"] == "pirate", chat
+    status, msg = await _post(stack.url, "/v1/messages", {
+        "model": "pirate", "messages": messages, "max_tokens": 4})
+    assert status == 200 and msg["model"] == "pirate", msg
+    status, resp = await _post(stack.url, "/v1/responses", {
+        "model": "pirate", "input": "Hello", "max_output_tokens": 4})
+    assert status == 200 and resp["model"] == "pirate", resp
