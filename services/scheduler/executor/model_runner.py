@@ -141,7 +141,8 @@ class ModelRunner:
         once now, so a bad directory fails at start-up naming the problem, then kept or
         evicted by the LoraSet; float32 adapters unless the projections run in bfloat16."""
         dtype = torch.bfloat16 if self.linear_dtype == torch.bfloat16 else torch.float32
-        self.lora = LoraSet(self.model, paths, max_rank, max_per_batch, dtype)
+        self.lora = LoraSet(self.model, paths, max_rank, max_per_batch, dtype,
+                            device=self.device)
         for name in paths:
             self.lora.get(name)
 

@@ -220,8 +220,10 @@ class LoraSet:
 
     def __init__(self, model: nn.Module, paths: dict[str, Path], max_rank: int,
                  max_per_batch: int, dtype: torch.dtype = torch.float32,
-                 max_loaded: int | None = None) -> None:
+                 max_loaded: int | None = None, device: torch.device | str = "cpu") -> None:
         self.model, self.paths, self.max_rank = model, dict(paths), max_rank
+        self.device = torch.device(device)  # where the step's stacks live (CPU memory keeps
+        # the loaded adapters; only the active ones are copied, once per change of the set)
         self.max_per_batch, self.dtype = max_per_batch, dtype
         self.max_loaded = max(max_loaded or 2 * max_per_batch, max_per_batch)
         self.linears = {n: m for n, m in model.named_modules() if isinstance(m, Linear)}
@@ -257,7 +259,8 @@ class LoraSet:
         row_adapter: list[int] = []
         for name, n in zip(names, num_rows, strict=True):
             row_adapter += [slot[name] if name is not None else -1] * n
-        groups = _groups(row_adapter)
+        groups = [(i, rows if isinstance(rows, slice) else rows.to(self.device))
+                  for i, rows in _groups(row_adapter)]
         for target, linear in self.linears.items():
             ab = stacks.get(target)
             linear.set_adapter(None if ab is None else LoraBatch(ab[0], ab[1], groups))
@@ -279,6 +282,6 @@ class LoraSet:
                     wa, wb = ad.weights[target]
                     a[i, :, : wa.shape[1]] = wa
                     b[i, : wb.shape[0]] = wb
-            stacks[target] = (a, b)
+            stacks[target] = (a.to(self.device), b.to(self.device))
         self._stacks = (active, stacks)
         return stacks
