@@ -53,6 +53,14 @@ class ServerArgs:
         "GGUF's Q8_0 blocks as they are) or int4 (its Q4_0, Q4_1 and Q4_K blocks); the lm_head "
         "and embedding are int8 in both; CPU kernels, dequantized on load on CUDA",
         choices=["none", "int8", "int4"])
+    lora_paths: list[str] | None = _flag(
+        None, "LoRA adapters (PEFT directories) served beside the base: name=path ...; a "
+        "request picks one by `model` (or `lora_path`) = its name", nargs="+",
+        aliases=("--lora-modules",))
+    max_loras_per_batch: int = _flag(4, "most distinct LoRA adapters in one step (requests "
+                                     "for others wait in the queue)")
+    max_lora_rank: int = _flag(16, "largest LoRA rank an adapter may have (a larger one is "
+                               "refused at start-up)")
     attention_backend: str = _flag("auto", "auto, torch or triton",
                                    choices=["auto", "torch", "triton"])
     num_threads: int | None = _flag(None, "torch CPU threads of the model worker")
@@ -218,6 +226,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         flag = "--" + f.name.replace("_", "-")
         meta = dict(f.metadata)
         help_text = meta.pop("help", "")
+        aliases = meta.pop("aliases", ())
         negatable = meta.pop("negatable", False)
         # empty counts as unset, as compose's `${TOKENLINE_X:-}` leaves it
         env = os.environ.get(_env_name(f.name)) or None
@@ -230,8 +239,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         kind = _CHECKS[check] if check else _KINDS.get(str(f.type), str)
         default = f.default
         if env is not None:
-            try:
-                default = kind(env)
+            try:  # a list flag's variable holds its values separated by spaces
+                default = [kind(v) for v in env.split()] if "nargs" in meta else kind(env)
             except (ValueError, argparse.ArgumentTypeError) as exc:
                 why = f"expected {'an' if kind is int else 'a'} {kind.__name__}" if kind in (
                     int, float) else str(exc)
@@ -239,7 +248,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
             if "choices" in meta and default not in meta["choices"]:
                 parser.error(f"{_env_name(f.name)}={env!r}: choose from "
                              + ", ".join(map(str, meta["choices"])))
-        parser.add_argument(flag, type=kind, default=default, help=help_text, **meta)
+        parser.add_argument(flag, *aliases, type=kind, default=default, help=help_text, **meta)
 
 
 def server_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -274,9 +283,40 @@ def speculative_error(args: ServerArgs) -> str | None:
     if not 1 <= lo <= hi:
         return ("--speculative-ngram-min-match-window-size must be >= 1 and <= "
                 f"--speculative-ngram-max-match-window-size, not {lo} and {hi}")
+    if (error := lora_error(args)) is not None:
+        return error
     if args.speculative_disable_by_batch_size < 1:
         return ("--speculative-disable-by-batch-size must be >= 1, not "
                 f"{args.speculative_disable_by_batch_size}")
+    return None
+
+
+def lora_paths(args: ServerArgs) -> dict[str, str]:
+    """--lora-paths as name -> directory (a ValueError naming a malformed entry)."""
+    out: dict[str, str] = {}
+    for entry in args.lora_paths or []:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-paths: {entry!r} is not name=path")
+        if name in out:
+            raise ValueError(f"--lora-paths: adapter name {name!r} given twice")
+        out[name] = path
+    return out
+
+
+def lora_error(args: ServerArgs) -> str | None:
+    """What is wrong with the LoRA flags, naming the flag (None: nothing)."""
+    try:
+        names = lora_paths(args)
+    except ValueError as e:
+        return str(e)
+    if args.max_loras_per_batch < 1:
+        return f"--max-loras-per-batch must be >= 1, not {args.max_loras_per_batch}"
+    if args.max_lora_rank < 1:
+        return f"--max-lora-rank must be >= 1, not {args.max_lora_rank}"
+    served = args.served_model_name
+    if served is not None and served in names:
+        return f"--lora-paths: adapter name {served!r} is the base model's name"
     return None
 
 
@@ -291,6 +331,8 @@ def to_argv(args: ServerArgs) -> list[str]:
                 out.append(flag)
             elif f.metadata.get("negatable"):
                 out.append("--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, list):
+            out += [flag, *map(str, value)]
         elif value is not None:
             out += [flag, str(value)]
     return out

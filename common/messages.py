@@ -91,6 +91,7 @@ class GenerateReq(msgspec.Struct, tag=True, omit_defaults=True):
     scheduler_id: str | None = None  # pin to one scheduler (None: any, via the queue group)
     # Prefix-cache isolation: only requests with the same salt share cached blocks (vLLM's name).
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter to run under (None: the base model)
 
 
 class TokenizedReq(msgspec.Struct, tag=True, omit_defaults=True):
@@ -104,6 +105,7 @@ class TokenizedReq(msgspec.Struct, tag=True, omit_defaults=True):
     arrival_time: float = 0.0
     output_ids: list[int] = msgspec.field(default_factory=list)
     cache_salt: str | None = None
+    lora_name: str | None = None  # the LoRA adapter to run under (None: the base model)
     # Prompt tokens the router expected this scheduler to hold (None: not routed by prefix);
     # the scheduler counts it against what it then finds, the router's accuracy.
     predicted_cached_tokens: int | None = None

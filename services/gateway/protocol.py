@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -147,6 +148,7 @@ class _Sampling(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     priority: Int = 0
     user: str | None = None
     cache_salt: CacheSalt | None = None
+    lora_path: str | None = None  # SGLang's: the LoRA adapter's name (--lora-paths)
     # at most one output constraint (services/gateway/constraints.py)
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None
@@ -311,6 +313,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     top_logprobs_num: Logprobs = 0
     logprob_start_len: LogprobStartLen = -1
     cache_salt: CacheSalt | None = None
+    lora_path: str | None = None  # SGLang's: the LoRA adapter's name (--lora-paths)
 
     def prompt(self) -> dict:
         _check((self.text is None) != (self.input_ids is None),
@@ -419,14 +422,21 @@ def abort_target(body: bytes) -> str | None:
     return rid
 
 
-def check_model(asked: str | None, served: str) -> None:
-    if asked and asked != served:
-        raise APIError(f"The model `{asked}` does not exist; this server serves `{served}`",
-                       "model", 404, code="model_not_found")
+def check_model(asked: str | None, served: str, adapters: Sequence[str] = ()) -> str | None:
+    """The LoRA adapter `asked` names (None: the base model); a 404 naming it when it is
+    neither the base nor one of `adapters` (--lora-paths)."""
+    if not asked or asked == served:
+        return None
+    if asked in adapters:
+        return asked
+    also = f" and the LoRA adapters {', '.join(f'`{a}`' for a in adapters)}" if adapters else ""
+    raise APIError(f"The model `{asked}` does not exist; this server serves `{served}`{also}",
+                   "model", 404, code="model_not_found")
 
 
 def sequences(rid: str, gateway_id: str, prompts: list[dict], params: SamplingParams, n: int,
-              priority: int, cache_salt: str | None = None) -> list[GenerateReq]:
+              priority: int, cache_salt: str | None = None,
+              lora_name: str | None = None) -> list[GenerateReq]:
     """What the engine generates for a request: n choices of each prompt, each its own rid."""
     msgs = []
     total = len(prompts) * n
@@ -438,7 +448,7 @@ def sequences(rid: str, gateway_id: str, prompts: list[dict], params: SamplingPa
             sub_rid = rid if total == 1 else f"{rid}-{i * n + j}"
             msgs.append(GenerateReq(rid=sub_rid, gateway_id=gateway_id, params=p,
                                     priority=priority, arrival_time=time.time(),
-                                    cache_salt=cache_salt, **prompt))
+                                    cache_salt=cache_salt, lora_name=lora_name, **prompt))
     return msgs
 
 

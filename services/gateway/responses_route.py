@@ -12,7 +12,7 @@ from typing import Any
 
 from aiohttp import web
 
-from services.gateway.protocol import APIError, check_model, sequences
+from services.gateway.protocol import APIError, sequences
 from services.gateway.responses import ResponsesRequest, responses_param
 from services.gateway.responses_render import ResponsesRenderer, new_id
 
@@ -22,7 +22,7 @@ Gateway = Any  # services.gateway.server.GatewayService (which imports this modu
 async def create_response(gw: Gateway, request: web.Request) -> web.StreamResponse:
     try:
         req = await gw._body(request, ResponsesRequest)
-        check_model(req.model, gw.model_name)
+        lora = gw._adapter(req.model)
         if gw.info.chat_template is None:
             raise APIError("this model has no chat template: use /v1/completions or "
                            "/generate, or start the server with --chat-template FILE", "input")
@@ -30,8 +30,8 @@ async def create_response(gw: Gateway, request: web.Request) -> web.StreamRespon
         prompt = req.prompt()
         params = req.to_params()
         rid = new_id("resp")
-        renderer = ResponsesRenderer(rid, gw.model_name, req)
-        msgs = sequences(rid, gw.instance_id, [prompt], params, 1, 0)
+        renderer = ResponsesRenderer(rid, lora or gw.model_name, req)
+        msgs = sequences(rid, gw.instance_id, [prompt], params, 1, 0, lora_name=lora)
         return await gw._run(request, msgs, req.stream, renderer)
     except APIError as exc:  # the chat pipeline names chat's fields
         exc.param = responses_param(exc.param)

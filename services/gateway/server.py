@@ -17,7 +17,7 @@ import structlog
 from aiohttp import web
 
 from common import tracing
-from common.config import ServerArgs
+from common.config import ServerArgs, lora_paths
 from common.logging import get_logger
 from common.messages import (
     AbortReq,
@@ -89,6 +89,7 @@ class GatewayService(Service):
                                args.model, args.chat_template)
         self.max_model_len = args.max_model_len or self.info.max_model_len
         self.model_name = self.info.name
+        self.lora_names = list(lora_paths(args))  # --lora-paths: served by `model` = the name
         self.tracker = Tracker()
         self.peers = PeerTable(args.heartbeat_timeout)
         self.failover = Failover(self.bus, self.subjects, self.peers, self.tracker, self.stats,
@@ -199,11 +200,25 @@ class GatewayService(Service):
         return _json({"status": "ok"})
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": int(self.started),
-            "owned_by": "tokenline", "root": str(self.info.path),
-            "max_model_len": self.max_model_len, "architecture": self.info.architecture,
-        }]})
+        base = {"id": self.model_name, "object": "model", "created": int(self.started),
+                "owned_by": "tokenline", "root": str(self.info.path),
+                "max_model_len": self.max_model_len, "architecture": self.info.architecture}
+        adapters = [{"id": name, "object": "model", "created": int(self.started),
+                     "owned_by": "tokenline", "root": path, "parent": self.model_name,
+                     "max_model_len": self.max_model_len}
+                    for name, path in lora_paths(self.args).items()]
+        return _json({"object": "list", "data": [base, *adapters]})
+
+    def _adapter(self, model: str | None, lora_path: str | None = None) -> str | None:
+        """The LoRA adapter a request asks for, by `model` or SGLang's `lora_path` (None: the
+        base); a 404 naming an adapter not in --lora-paths."""
+        lora = check_model(model, self.model_name, self.lora_names)
+        if lora_path is None:
+            return lora
+        if lora_path not in self.lora_names:
+            raise APIError(f"The LoRA adapter `{lora_path}` does not exist (--lora-paths)",
+                           "lora_path", 404, code="model_not_found")
+        return lora_path
 
     async def server_info(self, request: web.Request) -> web.Response:
         scheds = self.peers.alive("scheduler")
@@ -257,7 +272,7 @@ class GatewayService(Service):
         """The ids a request with this prompt or these messages would be scheduled with: the
         tokenizer service encodes them, through the code a generation request passes."""
         req = await self._body(request, TokenizeRequest)
-        check_model(req.model, self.model_name)
+        self._adapter(req.model)  # an adapter tokenizes as its base
         msg = req.to_msg()
         if msg.messages is not None and self.info.chat_template is None:
             raise APIError("this model has no chat template: tokenize a `prompt`, or start the "
@@ -268,13 +283,13 @@ class GatewayService(Service):
 
     async def detokenize(self, request: web.Request) -> web.Response:
         req = await self._body(request, DetokenizeRequest)
-        check_model(req.model, self.model_name)
+        self._adapter(req.model)
         return _json({"prompt": self.decode(req.ids(self.info.vocab_size))})
 
     # -- generation routes ----------------------------------------------------------------------
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._body(request, ChatCompletionRequest)
-        check_model(req.model, self.model_name)
+        lora = self._adapter(req.model, req.lora_path)
         if self.info.chat_template is None:  # a base model (e.g. the Gemma 3 270M GGUF)
             raise APIError("this model has no chat template: use /v1/completions or /generate, "
                            "or start the server with --chat-template FILE", "messages")
@@ -282,9 +297,9 @@ class GatewayService(Service):
         prompt = req.prompt()
         params = req.to_params(self.info.vocab_size, self.args.max_stop_strings)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        renderer = ChatRenderer(rid, self.model_name, self.decode, req)
+        renderer = ChatRenderer(rid, lora or self.model_name, self.decode, req)
         subs = sequences(rid, self.instance_id, [prompt], params, req.n, req.priority,
-                         req.cache_salt)
+                         req.cache_salt, lora)
         return await self._run(request, subs, req.stream, renderer)
 
     async def responses(self, request: web.Request) -> web.StreamResponse:
@@ -293,7 +308,7 @@ class GatewayService(Service):
     async def messages(self, request: web.Request) -> web.StreamResponse:
         """Anthropic's Messages API, as the chat completion it translates to."""
         req = await self._body(request, anthropic.MessagesRequest)
-        check_model(req.model, self.model_name)
+        lora = self._adapter(req.model)
         if self.info.chat_template is None:
             raise APIError("this model has no chat template: use /v1/completions or /generate, "
                            "or start the server with --chat-template FILE", "messages")
@@ -301,23 +316,24 @@ class GatewayService(Service):
         prompt = chat.prompt()
         params = chat.to_params(self.info.vocab_size, self.args.max_stop_strings)
         rid = f"msg_{uuid.uuid4().hex}"
-        renderer = MessagesRenderer(rid, self.model_name, self.decode, chat)
-        subs = sequences(rid, self.instance_id, [prompt], params, 1, 0)
+        renderer = MessagesRenderer(rid, lora or self.model_name, self.decode, chat)
+        subs = sequences(rid, self.instance_id, [prompt], params, 1, 0, lora_name=lora)
         return await self._run(request, subs, req.stream, renderer)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await self._body(request, CompletionRequest)
-        check_model(req.model, self.model_name)
+        lora = self._adapter(req.model, req.lora_path)
         prompts = req.prompts(self.info.vocab_size)
         params = req.to_params(self.info.vocab_size, self.args.max_stop_strings)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        renderer = CompletionRenderer(rid, self.model_name, self.decode, req)
+        renderer = CompletionRenderer(rid, lora or self.model_name, self.decode, req)
         subs = sequences(rid, self.instance_id, prompts, params, req.n, req.priority,
-                         req.cache_salt)
+                         req.cache_salt, lora)
         return await self._run(request, subs, req.stream, renderer)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         req = await self._body(request, GenerateRequest)
+        lora = self._adapter(None, req.lora_path)
         prompt = req.prompt()
         params = req.to_params(self.info.vocab_size, self.args.max_stop_strings)
         rid = req.rid or uuid.uuid4().hex
@@ -325,7 +341,7 @@ class GatewayService(Service):
             raise APIError(f"rid {rid!r} is already in use", "rid")
         renderer = GenerateRenderer(rid, self.model_name, self.decode, req)
         subs = sequences(rid, self.instance_id, [prompt], params, req.sampling_params.n,
-                         req.priority, req.cache_salt)
+                         req.priority, req.cache_salt, lora)
         return await self._run(request, subs, req.stream, renderer)
 
     # -- generation -----------------------------------------------------------------------------

@@ -186,7 +186,8 @@ class Router:
         self.views.pop(scheduler_id, None)
 
     # -- the decision ---------------------------------------------------------------------------
-    def route(self, tokens: list[int], now: float, salt: str | None = None) -> Route:
+    def route(self, tokens: list[int], now: float, salt: str | None = None,
+              adapter: str | None = None) -> Route:
         live = sorted((v for v in self.views.values() if v.stats is not None
                        and now - v.last_heartbeat <= self.heartbeat_timeout),
                       key=lambda v: v.scheduler_id)
@@ -203,7 +204,8 @@ class Router:
             if not view.block_size:
                 return 0
             if view.block_size not in hashes:
-                hashes[view.block_size] = prefix_block_hashes(tokens, view.block_size, salt)
+                hashes[view.block_size] = prefix_block_hashes(tokens, view.block_size, salt,
+                                                               adapter)
             return view.matched_blocks(hashes[view.block_size]) * view.block_size
 
         loads = [v.load for v in live]

@@ -175,7 +175,8 @@ class TokenizerService(Service):
         if msg.scheduler_id:  # moved off a dead scheduler: the gateway picked this one
             await self._forward(self.subjects.scheduler_instance(msg.scheduler_id), out, headers)
             return
-        route = self.router.route(out.input_ids, time.monotonic(), out.cache_salt)
+        route = self.router.route(out.input_ids, time.monotonic(), out.cache_salt,
+                                  out.lora_name)
         if route.scheduler_id is not None:
             out.predicted_cached_tokens = route.predicted_tokens
             try:
@@ -278,4 +279,5 @@ class TokenizerService(Service):
             arrival_time=msg.arrival_time,
             output_ids=msg.output_ids,
             cache_salt=msg.cache_salt,
+            lora_name=msg.lora_name,
         )

@@ -41,3 +41,19 @@ def test_a_salt_changes_every_block_and_no_salt_is_the_default():
     assert not set(salted) & set(plain)
     assert not set(salted) & set(prefix_block_hashes(tokens, 8, salt="tenant-b"))
     assert salted == prefix_block_hashes(tokens, 8, salt="tenant-a")
+
+
+def test_an_adapter_changes_every_block_apart_from_salts():
+    """One prompt under two LoRA adapters, an adapter and the base, or an adapter and a salt
+    spelled like it never shares a block; the scheduler hashes a request's adapter the same."""
+    tokens = list(range(40))
+    base = set(prefix_block_hashes(tokens, 8))
+    a = prefix_block_hashes(tokens, 8, adapter="a")
+    assert not set(a) & base
+    assert not set(a) & set(prefix_block_hashes(tokens, 8, adapter="b"))
+    assert not set(a) & set(prefix_block_hashes(tokens, 8, salt="a"))
+    both = prefix_block_hashes(tokens, 8, salt="t", adapter="a")
+    assert not set(both) & set(a) and not set(both) & set(prefix_block_hashes(tokens, 8, "t"))
+    sched = Scheduler(SchedulerConfig(), BlockPool(64, 8, True))
+    req = Request(rid="r", prompt_ids=tokens, params=SamplingParams(), lora_name="a")
+    assert sched._hashes(req) == a

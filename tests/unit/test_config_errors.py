@@ -21,6 +21,9 @@ from tests.helpers import REPO
     ([], {"TOKENLINE_DEVICE": "cuda:x"}, "TOKENLINE_DEVICE='cuda:x': 'cuda:x' is not auto"),
     (["--log-level", "verbose"], {}, "argument --log-level: invalid choice: 'verbose'"),
     ([], {"TOKENLINE_LOG_LEVEL": "trace"}, "TOKENLINE_LOG_LEVEL='trace': choose from debug"),
+    (["--lora-paths", "pirate"], {}, "--lora-paths: 'pirate' is not name=path"),
+    (["--lora-modules", "a=/x", "a=/y"], {}, "--lora-paths: adapter name 'a' given twice"),
+    (["--max-loras-per-batch", "0"], {}, "--max-loras-per-batch must be >= 1, not 0"),
 ])
 def test_bad_flags_and_environment_are_usage_errors(argv, env, message, monkeypatch, capsys):
     for name, value in env.items():
@@ -29,6 +32,16 @@ def test_bad_flags_and_environment_are_usage_errors(argv, env, message, monkeypa
         parse_server_args(argv, prog="tokenline serve")
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_lora_paths_from_either_spelling_or_the_environment(monkeypatch):
+    from common.config import lora_paths, to_argv
+
+    args = parse_server_args(["--lora-modules", "a=/x", "b=/y"])
+    assert lora_paths(args) == {"a": "/x", "b": "/y"}
+    assert parse_server_args(to_argv(args)).lora_paths == ["a=/x", "b=/y"]
+    monkeypatch.setenv("TOKENLINE_LORA_PATHS", "c=/z d=/w")
+    assert lora_paths(parse_server_args([])) == {"c": "/z", "d": "/w"}
 
 
 def test_good_values_pass(monkeypatch):

@@ -44,6 +44,7 @@ class DraftSeq:
     draft_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    lora_name: str | None = None  # the draft model runs without adapters
 
 
 class DraftModelProposer:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import ServerArgs
+from common.config import ServerArgs, lora_paths
 from common.incremental import IncrementalText
 from common.logging import get_logger
 from common.messages import AbortReq, Finish, KvEvent, LogprobOut, TokenizedReq, TokenOut
@@ -73,6 +73,7 @@ class EngineCore:
             quantization=args.quantization,
             gguf_path=gguf_source(args.model) if model_path is None else None,
         )
+        self._enable_lora(args)
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, args.page_size, not args.disable_prefix_cache)
         self.scheduler = Scheduler(scheduler_config(args, self.max_model_len), self.pool)
@@ -103,6 +104,12 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_step = StepStats()
+
+    def _enable_lora(self, args: ServerArgs) -> None:
+        """--lora-paths: every adapter read once now, so a bad one stops the start naming it."""
+        if args.lora_paths:
+            self.runner.enable_lora({n: Path(p) for n, p in lora_paths(args).items()},
+                                    args.max_lora_rank, args.max_loras_per_batch)
 
     # -- thread-safe entry points ---------------------------------------------------------------
     def submit(self, msg: TokenizedReq) -> None:
@@ -292,6 +299,9 @@ class EngineCore:
         bad = [t for t in req.prompt_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
             return f"token id {bad[0]} is outside the vocabulary [0, {self.runner.vocab_size})"
+        lora = self.runner.lora
+        if req.lora_name is not None and (lora is None or req.lora_name not in lora.paths):
+            return f"LoRA adapter {req.lora_name!r} is not served here (--lora-paths)"
         return None
 
     def _apply_abort(self, msg: AbortReq, outputs: list[TokenOut], now: float) -> None:
@@ -698,4 +708,5 @@ def scheduler_config(args: ServerArgs, max_model_len: int) -> SchedulerConfig:
         batch_wait_ms=args.batch_wait_ms,
         conservativeness=args.schedule_conservativeness,
         max_model_len=max_model_len,
+        max_loras_per_batch=args.max_loras_per_batch,
     )

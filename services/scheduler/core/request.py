@@ -45,6 +45,7 @@ class Request:
     gateway_id: str = ""
     priority: int = 0
     cache_salt: str | None = None  # shares cached blocks only with requests of the same salt
+    lora_name: str | None = None  # the LoRA adapter it runs under (None: the base model)
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -98,6 +99,7 @@ class Request:
             gateway_id=msg.gateway_id,
             priority=msg.priority,
             cache_salt=msg.cache_salt,
+            lora_name=msg.lora_name,
             output_ids=list(msg.output_ids),
             predicted_cached=msg.predicted_cached_tokens,
         )

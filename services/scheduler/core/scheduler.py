@@ -41,6 +41,7 @@ class SchedulerConfig:
     conservativeness: float = 1.0  # scales the reservation; 0 admits whatever fits right now
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
+    max_loras_per_batch: int = 4  # distinct LoRA adapters among the running requests
 
 
 @dataclass
@@ -169,8 +170,8 @@ class Scheduler:
                 self.waiting.popleft()
                 self._fail(req, batch, self._too_big_message(req))
                 continue
-            if not self._headroom_ok(req):
-                break
+            if not self._headroom_ok(req) or not self._adapter_fits(req):
+                break  # the head waits, and so does everyone behind it: no starvation
             self.waiting.popleft()
             self._match_prefix(req)
             req.status = Status.RUNNING
@@ -187,6 +188,14 @@ class Scheduler:
             prefill_budget -= n
             batch.reqs.append(req)
             batch.num_new.append(n)
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Every running request computes each step, so the running requests' distinct LoRA
+        adapters are a step's: one more only while under --max-loras-per-batch."""
+        if req.lora_name is None:
+            return True
+        active = {r.lora_name for r in self.running if r.lora_name is not None}
+        return req.lora_name in active or len(active) < self.config.max_loras_per_batch
 
     def _may_admit(self) -> bool:
         if self.config.batching == "continuous":
@@ -260,7 +269,7 @@ class Scheduler:
 
     def _extend_hashes(self, req: Request, num_blocks: int) -> None:
         extend_block_hashes(req.block_hashes, req.tokens, self.page_size, num_blocks,
-                            req.cache_salt)
+                            req.cache_salt, req.lora_name)
 
     def _match_prefix(self, req: Request) -> None:
         if req.num_computed or req.block_table:

@@ -24,6 +24,7 @@ from services.scheduler.attention.torch_backend import (
     prefill_kernels,
 )
 from services.scheduler.models import model_class, quant
+from services.scheduler.models.lora import LoraSet
 from services.scheduler.models.quantize import quantize_model
 from services.scheduler.native import cpu_flags
 
@@ -103,6 +104,7 @@ class Sequence(Protocol):
     draft_ids: list[int]  # speculative tokens after output_ids, verified this step
     num_computed: int
     block_table: list[int]
+    lora_name: str | None  # the LoRA adapter it runs under (None: the base model)
 
 
 class ModelRunner:
@@ -131,6 +133,18 @@ class ModelRunner:
         self._load(model_path, max_model_len, quantization, gguf_path)
         self.num_blocks = self._size_pool(max_total_tokens, mem_fraction_static, cpu_memory_gib)
         self._allocate_kv()
+
+    lora: LoraSet | None = None
+
+    def enable_lora(self, paths: dict[str, Path], max_rank: int, max_per_batch: int) -> None:
+        """Serve the PEFT adapters `paths` (name -> directory) beside the base. Each is read
+        once now, so a bad directory fails at start-up naming the problem, then kept or
+        evicted by the LoraSet; float32 adapters unless the projections run in bfloat16."""
+        dtype = torch.bfloat16 if self.linear_dtype == torch.bfloat16 else torch.float32
+        self.lora = LoraSet(self.model, paths, max_rank, max_per_batch, dtype,
+                            device=self.device)
+        for name in paths:
+            self.lora.get(name)
 
     def _pick_dtypes(self, dtype: str) -> None:
         """The activations', attention's and KV cache's dtype, and the projections' (they
@@ -373,6 +387,8 @@ class ModelRunner:
             page_size=p,
         )
         logits_idx = torch.from_numpy(_logit_rows(starts, num_logits)).to(dev)
+        if self.lora is not None:
+            self.lora.activate([r.lora_name for r in reqs], num_new)
         return self.model(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.from_numpy(positions).to(dev),
