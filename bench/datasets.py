@@ -29,6 +29,7 @@ class SampleRequest:
     max_tokens: int
     # Turns of one conversation share an id and go in order, each after the previous answered.
     conversation: int | None = None
+    model: str | None = None  # sent as this request's `model` (e.g. a LoRA adapter's name)
 
 
 def random_requests(

@@ -240,7 +240,7 @@ def _request_body(
     extra_body: dict[str, Any] | None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": model,
+        "model": req.model or model,
         "max_tokens": req.max_tokens,
         "temperature": temperature,
         "stream": True,

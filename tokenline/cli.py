@@ -19,6 +19,7 @@ BENCH = {
     "quality": "bench.quality",
     "profile": "bench.step_profile",
     "nats": "bench.nats_cluster",
+    "lora": "bench.lora",
 }
 
 USAGE = """usage: tokenline COMMAND [ARGS]
@@ -32,6 +33,7 @@ commands:
   bench quality    perplexity and KL against float32 per --quantization, on a fixed text
   bench profile    one decode and prefill step split into matmuls, attention, norms, Python
   bench nats       one embedded NATS node against a 3-node cluster: throughput, TTFT, ratios
+  bench lora       requests spread over LoRA adapters against the same requests to the base
   simulate         step simulator of static, dynamic and continuous batching
   plan             memory planner: weights, KV pool, concurrency
 """
@@ -49,8 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
         if not rest or rest[0] not in BENCH:
-            print("usage: tokenline bench {serve,offline,roofline,peers,quality,profile,nats} ...",
-                  file=sys.stderr)
+            print(f"usage: tokenline bench {{{','.join(BENCH)}}} ...", file=sys.stderr)
             return 2
         module, rest = BENCH[rest[0]], rest[1:]
         # SIGTERM unwinds like Ctrl-C: the servers a bench started (each in its own session,

@@ -53,3 +53,28 @@ def test_nats_hops_measures_every_hop_on_one_node_and_across_a_clusters_route(tm
         assert all(r["lost"] == 0 and r["msgs_per_s"] > 0 for r in mine)
     # a step's 64 outputs and a 300-token prompt are the size the services send
     assert all(r["bytes"] > 1000 for r in rows)
+
+
+def test_lora_bench_runs_base_and_adapters_on_one_server(tiny_model_dir, tmp_path):
+    from bench import lora
+
+    out = tmp_path / "lora.json"
+    assert lora.main(["--model", str(tiny_model_dir), "--adapters", "2", "--rank", "4",
+                      "--num-prompts", "4", "--single", "1", "--rounds", "1",
+                      "--server-flag=--max-total-tokens", "--server-flag=16384",
+                      "--result-json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert {r["config"] for r in data["rows"]} == {
+        "base", "2 adapters", "1 at a time, base", "1 at a time, adapter0"}
+    assert all(r["output_throughput"] > 0 for r in data["rows"])
+    assert set(data["ratios"]) == {"throughput, adapters / base",
+                                   "1 request TPOT p50, adapter / base"}
+
+
+def test_requests_spread_over_adapters_name_each_in_turn():
+    from bench.datasets import SampleRequest
+    from bench.lora import spread
+
+    reqs = [SampleRequest([1, 2], 2, 4) for _ in range(5)]
+    assert [r.model for r in spread(reqs, ["a", None, "b"])] == ["a", None, "b", "a", None]
+    assert all(r.model is None for r in reqs)  # copies: the workload itself is untouched
