@@ -7,8 +7,9 @@ the served model with `peft` itself (random non-zero B, so each changes the outp
 test dependency: `make test` installs it), starts one `tokenline serve --lora-paths ...`, and
 sends the same workload twice per round, alternating: every request to the base, and the
 requests spread round-robin over the adapters. Then one request at a time (the first
-`--single` requests), to the base and to one adapter, for a single user's TPOT. Ratios are
-adapters over base: throughput at the workload's concurrency, TPOT at one.
+`--single` requests), to the base and to one adapter, for a single user's TPOT. The prefix
+cache is flushed before each run. Ratios are adapters over base, of the medians over rounds:
+throughput at the workload's concurrency, TPOT at one.
 """
 
 from __future__ import annotations
@@ -74,11 +75,22 @@ def _row(label: str, rnd: int, res: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
+def flush_cache(url: str) -> None:
+    """Every run starts from an empty prefix cache: the same prompts come back each round."""
+    import urllib.request
+
+    with urllib.request.urlopen(urllib.request.Request(f"{url}/flush_cache", method="POST"),
+                                timeout=30) as r:
+        if r.status != 200:
+            raise RuntimeError(f"POST /flush_cache: {r.status}")
+
+
 def measure(url: str, configs: list[tuple[str, list[SampleRequest], int | None]],
             rounds: int) -> list[dict[str, Any]]:
     rows = []
     for rnd in range(rounds):
         for label, reqs, conc in configs if rnd % 2 == 0 else configs[::-1]:
+            flush_cache(url)
             res = asyncio.run(run_benchmark(url, reqs, max_concurrency=conc, ignore_eos=True))
             if res["completed"] != len(reqs) or res.get("first_error"):
                 raise RuntimeError(f"{label}: {res['completed']}/{len(reqs)} completed, "
