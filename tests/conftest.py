@@ -39,7 +39,7 @@ FAST_PATH_CALLS: Counter[str] = Counter()
 def _count_fast_paths() -> None:
     from services.scheduler.attention import triton_backend
     from services.scheduler.attention.torch_backend import TorchBackend
-    from services.scheduler.models import layers, linear, quant
+    from services.scheduler.models import layers, linear, lora, quant
     from services.scheduler.native import ops
 
     def count(name: str, fn):
@@ -77,6 +77,9 @@ def _count_fast_paths() -> None:
                                          quant.TorchInt8Linear.matmul)
     quant.TorchInt4Linear.matmul = count(lambda *_: "torch int4 linears (the fallback)",
                                          quant.TorchInt4Linear.matmul)
+    lora.kernel_add = count(lambda *_: "C++ LoRA kernel", lora.kernel_add)
+    lora.torch_add = count(lambda *_: "torch LoRA (prefill rows, or the fallback)",
+                           lora.torch_add)
     triton_backend.TritonBackend.forward = count(
         lambda self, q, *_: f"Triton attention ({'CUDA' if q.is_cuda else 'interpreter'})",
         triton_backend.TritonBackend.forward)

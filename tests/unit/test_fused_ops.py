@@ -442,3 +442,51 @@ def test_quantized_decode_step_calls_no_torch_op_around_its_matmuls(tiny_model_d
         fn()
     counts = _count_ops(prof)[0]
     assert counts["matmuls"] == 4 * runner.num_layers + 1, counts
+
+
+def lora_factors(k: int, shards: list[int], r: int, dtype: torch.dtype, seed: int):
+    """A fused projection's factors as models/lora.py lays them out: A [k, S*r], B [S*r, N]
+    block-diagonal (shard s's rows write only its columns), with B's non-zero columns."""
+    from services.scheduler.models.lora import nonzero_columns
+
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(k, len(shards) * r, generator=gen) * 0.1
+    b = torch.zeros(len(shards) * r, sum(shards))
+    lo = 0
+    for s, width in enumerate(shards):
+        b[s * r:(s + 1) * r, lo:lo + width] = torch.randn(r, width, generator=gen) * 0.1
+        lo += width
+    b[-1] = 0  # a zero row (a narrower adapter's padding): [0, 0), skipped
+    return a.to(dtype), b.to(dtype), nonzero_columns(b)
+
+
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("factor", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [[0], [3, 4, 5], [6, 1, 4]])  # one, a slice, an index
+def test_lora_add_matches_the_low_rank_product(ops, act, factor, rows):
+    """out[rows] += (x[rows] @ a) @ b: other rows untouched, the sums in float32, out rounded
+    once; the columns outside cols (zero in b) are skipped without changing the result."""
+    a, b, cols = lora_factors(61, [16, 7, 9], 5, factor, seed=len(rows))
+    x = torch.randn(7, 61).to(act)
+    out = torch.randn(7, 32).to(act)
+    exact = out.double().clone()
+    idx = torch.tensor(rows)
+    exact[idx] += (x.double()[idx] @ a.double()) @ b.double()
+    index = idx if rows != [3, 4, 5] else torch.empty(0, dtype=torch.long)
+    got = ops.lora_add_(out, x, a, b, cols, index, rows[0], len(rows))
+    assert got is out
+    if act == torch.float32:
+        torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
+    else:
+        within_bf16_rounding(out, exact)
+
+
+def test_lora_add_refuses_bad_arguments(ops):
+    a, b, cols = lora_factors(8, [4, 4], 2, torch.float32, seed=0)
+    x, out, none = torch.randn(3, 8), torch.zeros(3, 8), torch.empty(0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="cols row"):
+        ops.lora_add_(out, x, a, b, torch.full_like(cols, 9), none, 0, 1)
+    with pytest.raises(RuntimeError, match="row 3 outside"):
+        ops.lora_add_(out, x, a, b, cols, none, 2, 2)
+    with pytest.raises(RuntimeError, match=r"a \[K, R\]"):
+        ops.lora_add_(out, x, a.T.contiguous(), b, cols, none, 0, 1)

@@ -98,6 +98,44 @@ def test_mixed_batch_of_three_adapters_and_base_matches_peft(tiny_model_dir, ada
         assert error < (1e-4 if dtype == "float32" else effect / 5), (name, error, effect)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_rows_through_the_kernel_match_peft(tiny_model_dir, adapters, dtype,
+                                                   monkeypatch):
+    """A decode-sized step (2 rows a request; one adapter's rows apart, an index group) goes
+    through the C++ LoRA kernel and gives peft's logits within the prefill test's bounds."""
+    from services.scheduler.models import lora
+
+    calls = []
+    kernel = lora.kernel_add
+    monkeypatch.setattr(lora, "kernel_add", lambda *a: calls.append(a[-1]) or kernel(*a))
+    runner = ModelRunner(tiny_model_dir, max_total_tokens=1024, device="cpu", dtype=dtype)
+    runner.enable_lora({n: d for n, (d, _) in adapters.items()}, max_rank=16, max_per_batch=4)
+    order = ["qv8", None, "all16", "qv8", "mlp4rs"]
+    reqs, next_block = [], 0
+    for name in order:
+        blocks = -(-len(PROMPTS[name]) // runner.page_size)
+        reqs.append(Seq(PROMPTS[name], block_table=list(range(next_block, next_block + blocks)),
+                        lora_name=name))
+        next_block += blocks
+    heads = [len(r.prompt_ids) - 2 for r in reqs]
+    runner.forward(reqs, heads, heads)
+    for r, n in zip(reqs, heads, strict=True):
+        r.num_computed = n
+    logits = runner.forward(reqs, [2] * len(reqs), [2] * len(reqs)).split(2)
+    assert calls and all(g.count <= lora.KERNEL_ROWS for g in calls)
+    assert any(g.index.numel() == 4 for g in calls)  # qv8's rows 0-1 and 6-7
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    for name, ours in zip(order, logits, strict=True):
+        plain = base_logits(base, PROMPTS[name])[-2:]
+        ref = plain if name is None else adapters[name][1][-2:]
+        error = (ours.float() - ref).abs().max().item()
+        # bfloat16: as the prefill's test, under a fifth of what the adapter changes
+        bound = 0.1 if name is None else (ref - plain).abs().max().item() / 5
+        assert error < (1e-4 if dtype == "float32" else bound), (name, error)
+
+
 def base_logits(model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]

@@ -13,6 +13,11 @@
 //   argmax_rows(x)                  [M, V] -> int64 [M]: greedy sampling's pick, as
 //                                   torch.argmax(-1) gives it (the first maximum; a NaN
 //                                   counts as the maximum, the first NaN then)
+//   lora_add_(out, x, a, b, cols, index, start, count)   a LoRA's low-rank part for a few
+//                                   rows: out[m] += (x[m] @ a) @ b, m the rows start..+count
+//                                   (or index's), a [K, R], b [R, N]; cols [R, 2] int32: the
+//                                   columns [lo, hi) where b's row r is not zero (a fused
+//                                   projection's shards), the rest skipped
 //
 // Every sum and product runs in float32 whatever the storage dtype; a bfloat16 result is
 // rounded once (to nearest even) when it is stored.
@@ -36,6 +41,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_vec.h"
 
@@ -316,6 +322,40 @@ int64_t argmax_row(const T* x, int64_t n) {
   return 0;  // not reached: without a NaN the maximum is one of the row's elements
 }
 
+
+// out[rows] += (x[rows] @ a) @ b for a few rows (a decode step's), on the calling thread: the
+// low-rank product is ~1e5 multiply-adds a projection, less than waking the OpenMP workers.
+// Each of a's and b's rows is read once for all the rows; t and the sums stay float32, and
+// out is rounded once.
+template <typename T, typename W>
+void lora_add_impl(T* out, const T* x, const W* a, const W* b, const int32_t* cols,
+                   const int64_t* rows, int64_t M, int64_t K, int64_t R, int64_t N,
+                   int64_t out_ld, int64_t x_ld) {
+  std::vector<float> t(M * R, 0.f), acc(M * N, 0.f);
+  for (int64_t k = 0; k < K; ++k) {
+    const W* ak = a + k * R;
+    for (int64_t m = 0; m < M; ++m) {
+      const float xk = to_f(x[rows[m] * x_ld + k]);
+      float* tm = t.data() + m * R;
+      for (int64_t r = 0; r < R; ++r) tm[r] += xk * to_f(ak[r]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t lo = cols[2 * r], hi = cols[2 * r + 1];
+    const W* br = b + r * N;
+    for (int64_t m = 0; m < M; ++m) {
+      const float tr = t[m * R + r];
+      float* am = acc.data() + m * N;
+      for (int64_t j = lo; j < hi; ++j) am[j] += tr * to_f(br[j]);
+    }
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    T* om = out + rows[m] * out_ld;
+    const float* am = acc.data() + m * N;
+    for (int64_t j = 0; j < N; ++j) store(om + j, to_f(om[j]) + am[j]);
+  }
+}
+
 bool is_bf16(const torch::Tensor& t) { return t.scalar_type() == torch::kBFloat16; }
 
 void check_dtype(const torch::Tensor& t, const char* what) {
@@ -435,6 +475,48 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
   return out;
 }
 
+torch::Tensor lora_add_(torch::Tensor out, const torch::Tensor& x, const torch::Tensor& a,
+                        const torch::Tensor& b, const torch::Tensor& cols,
+                        const torch::Tensor& index, int64_t start, int64_t count) {
+  check_dtype(out, "lora_add_");
+  check_dtype(a, "lora_add_");
+  TORCH_CHECK(x.scalar_type() == out.scalar_type() && b.scalar_type() == a.scalar_type(),
+              "lora_add_: x of out's dtype, b of a's");
+  TORCH_CHECK(out.dim() == 2 && x.dim() == 2 && out.size(0) == x.size(0) &&
+              out.stride(1) == 1 && x.stride(1) == 1, "lora_add_: out, x [T, *], rows contiguous");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.is_contiguous() && b.is_contiguous() &&
+              a.size(0) == x.size(1) && b.size(0) == a.size(1) && b.size(1) == out.size(1),
+              "lora_add_: a [K, R], b [R, N] contiguous");
+  const int64_t K = a.size(0), R = a.size(1), N = b.size(1);
+  TORCH_CHECK(cols.scalar_type() == torch::kInt32 && cols.is_contiguous() &&
+              cols.numel() == 2 * R, "lora_add_: cols int32 [R, 2]");
+  const int32_t* c = cols.data_ptr<int32_t>();
+  for (int64_t r = 0; r < R; ++r)
+    TORCH_CHECK(0 <= c[2 * r] && c[2 * r] <= c[2 * r + 1] && c[2 * r + 1] <= N,
+                "lora_add_: cols row ", r, " outside [0, ", N, "]");
+  std::vector<int64_t> rows;
+  if (index.numel() > 0) {
+    TORCH_CHECK(index.scalar_type() == torch::kInt64 && index.is_contiguous() &&
+                index.dim() == 1, "lora_add_: index int64 [m]");
+    rows.assign(index.data_ptr<int64_t>(), index.data_ptr<int64_t>() + index.numel());
+  } else {
+    for (int64_t m = start; m < start + count; ++m) rows.push_back(m);
+  }
+  for (int64_t m : rows)
+    TORCH_CHECK(0 <= m && m < out.size(0), "lora_add_: row ", m, " outside [0, ", out.size(0), ")");
+  const int64_t M = rows.size();
+  const int64_t ol = out.stride(0), xl = x.stride(0);
+#define TL_LORA(T, W)                                                                      \
+  lora_add_impl<T, W>(ptr<T>(out), cptr<T>(x), cptr<W>(a), cptr<W>(b), c, rows.data(), M, K, \
+                      R, N, ol, xl)
+  if (!is_bf16(out))
+    is_bf16(a) ? TL_LORA(float, bf16) : TL_LORA(float, float);
+  else
+    is_bf16(a) ? TL_LORA(bf16, bf16) : TL_LORA(bf16, float);
+#undef TL_LORA
+  return out;
+}
+
 bool avx512() { return TL_AVX512; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -444,5 +526,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [T, 2I] gate_up");
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up of [T, 2I] gate_up");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(-1) (first max, NaN first)");
+  m.def("lora_add_", &lora_add_, "out[rows] += (x[rows] @ a) @ b for a few rows (LoRA)");
   m.def("avx512", &avx512, "whether the AVX-512 loops are compiled in");
 }
