@@ -133,7 +133,7 @@ async def test_a_bad_load_is_a_400_naming_it_and_a_running_stream_keeps_its_toke
                 ({"lora_name": "big", "lora_path": str(root / "rank32")},
                  "rank 32 exceeds --max-lora-rank 16"),
                 ({"lora_name": "none", "lora_path": str(root / "nowhere")},
-                 "adapter_config.json missing"),
+                 "nowhere: no such directory"),
                 ({"lora_name": "pirate", "lora_path": str(root / "copy")}, "already loaded"),
                 ({"lora_name": "nopath"}, "lora_path")):
             refusals.append((await _post(stack.url, "/load_lora_adapter", body, ADMIN), why))

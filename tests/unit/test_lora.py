@@ -272,7 +272,8 @@ def test_runtime_load_refuses_bad_adapters_naming_them_and_serves_a_good_one(
     (bad_target / "adapter_config.json").write_text(json.dumps(config))
     refusals = {
         "rank 16 exceeds --max-lora-rank 8": adapters["all16"][0],
-        "adapter_config.json missing": tmp_path / "nowhere",
+        "nowhere: no such directory": tmp_path / "nowhere",
+        "adapter_config.json missing": tmp_path,
         "'fc_in'": bad_target,
         "another base model": _other_base(adapters["qv8"][0], tmp_path / "other"),
     }

@@ -55,6 +55,8 @@ def lora_scale(config: dict) -> float:
 
 def read_config(path: Path, max_rank: int) -> dict:
     """adapter_config.json, validated: a ValueError naming the file or field otherwise."""
+    if not path.is_dir():
+        raise ValueError(f"LoRA adapter {path}: no such directory")
     file = path / "adapter_config.json"
     if not file.is_file():
         raise ValueError(f"LoRA adapter {path}: adapter_config.json missing")
