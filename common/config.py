@@ -57,10 +57,12 @@ class ServerArgs:
         None, "LoRA adapters (PEFT directories) served beside the base: name=path ...; a "
         "request picks one by `model` (or `lora_path`) = its name", nargs="+",
         aliases=("--lora-modules",))
+    enable_lora: bool = _flag(False, "serve LoRA adapters: loaded at runtime by "
+                              "/load_lora_adapter (on whenever --lora-paths is given)")
     max_loras_per_batch: int = _flag(4, "most distinct LoRA adapters in one step (requests "
                                      "for others wait in the queue)")
     max_lora_rank: int = _flag(16, "largest LoRA rank an adapter may have (a larger one is "
-                               "refused at start-up)")
+                               "refused, at start-up or by /load_lora_adapter)")
     attention_backend: str = _flag("auto", "auto, torch or triton",
                                    choices=["auto", "torch", "triton"])
     num_threads: int | None = _flag(None, "torch CPU threads of the model worker")

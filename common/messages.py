@@ -248,6 +248,34 @@ class FlushCacheOut(msgspec.Struct, tag=True, omit_defaults=True):
     message: str = ""
 
 
+class LoadLoraReq(msgspec.Struct, tag=True):
+    """gateway -> every scheduler (request/reply): read, validate and serve a LoRA adapter."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraReq(msgspec.Struct, tag=True, omit_defaults=True):
+    """gateway -> every scheduler (request/reply): stop serving a LoRA adapter (drained)."""
+
+    lora_name: str
+    only: list[str] | None = None  # these schedulers' ids (a failed load's undo); None: all
+
+
+class LoraOut(msgspec.Struct, tag=True, omit_defaults=True):
+    """A scheduler's answer to a load or unload: an HTTP status (0: not asked), a message
+    naming the problem and its field, and the adapters it serves now (name -> path) as of
+    `version` (the time of its last change, ns: the newest view wins)."""
+
+    scheduler_id: str
+    status: int
+    message: str = ""
+    param: str | None = None
+    running: int = 0  # an unload: requests still running under the adapter (it drains)
+    adapters: dict[str, str] = msgspec.field(default_factory=dict)
+    version: int = 0
+
+
 class BlockStored(msgspec.Struct, tag=True):
     """Full blocks that entered a scheduler's prefix cache: a chain, each block the child of
     the one before it, the first the child of `parent_block_hash` (None: of the root)."""
@@ -341,6 +369,13 @@ class StatsOut(msgspec.Struct, tag=True, omit_defaults=True):
     grammar_compile_buckets: list[int] = msgspec.field(default_factory=list)
     grammar_compile_seconds_sum: float = 0.0
     info: dict | None = None  # static facts (KV pool, model) for /get_server_info
+    # LoRA (scheduler, when enabled): the adapters served (name -> path) as of lora_version
+    # (see LoraOut), requests per adapter running and waiting, --max-loras-per-batch
+    lora_adapters: dict[str, str] | None = None
+    lora_version: int = 0
+    lora_running: dict[str, int] | None = None
+    lora_waiting: dict[str, int] | None = None
+    max_lora: int = 0
 
 
 Message = (
@@ -356,6 +391,9 @@ Message = (
     | AbortReq
     | FlushCacheReq
     | FlushCacheOut
+    | LoadLoraReq
+    | UnloadLoraReq
+    | LoraOut
     | KvEventsOut
     | KvSnapshotReq
     | KvSnapshotOut

@@ -44,6 +44,14 @@ class Subjects:
     def flush_cache(self) -> str:
         return f"{self.prefix}.control.flush_cache"
 
+    @property
+    def load_lora(self) -> str:
+        return f"{self.prefix}.control.load_lora"
+
+    @property
+    def unload_lora(self) -> str:
+        return f"{self.prefix}.control.unload_lora"
+
     def kv_events(self, scheduler_id: str = "*") -> str:
         """What enters and leaves one scheduler's prefix cache (`*`: every scheduler's)."""
         return f"{self.prefix}.kv_events.{scheduler_id}"

@@ -42,6 +42,7 @@ USAGE_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
 RID = "tokenline.rid"
+LORA_NAME = "tokenline.lora_name"  # the LoRA adapter a request runs under (absent: the base)
 CACHED_TOKENS = "tokenline.cached_tokens"
 RETRACTIONS = "tokenline.retractions"
 

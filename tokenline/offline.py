@@ -8,6 +8,9 @@
                            SamplingParams(max_new_tokens=32, temperature=0))
     print(outs[0].text)
 
+    engine = Engine(lora_paths={"pirate": "/path/to/peft/dir"})    # or ["pirate=/path/..."]
+    outs = engine.generate(["Hello", "Hello"], lora_name=["pirate", None])  # None: the base
+
 No NATS and no services: the same `EngineCore` the scheduler service runs, stepped in a loop
 until every request is done. Requests finish out of order inside; results come back in input
 order. Text is decoded as the outputs come, by the same incremental decoder the detokenizer
@@ -69,9 +72,12 @@ class Output:
 
 class Engine:
     """The engine core in this process. `engine_flags` are `ServerArgs` fields, e.g.
-    `max_total_tokens=20000, batching="static", chunked_prefill_size=256`."""
+    `max_total_tokens=20000, batching="static", chunked_prefill_size=256`; `lora_paths` may
+    be a dict name -> PEFT directory."""
 
     def __init__(self, model: str | None = None, **engine_flags: Any) -> None:
+        if isinstance(engine_flags.get("lora_paths"), dict):
+            engine_flags["lora_paths"] = [f"{n}={p}" for n, p in engine_flags["lora_paths"].items()]
         self.args = _server_args(model, engine_flags)
         from services.scheduler.core.engine import EngineCore  # torch loads here, not on import
 
@@ -89,22 +95,38 @@ class Engine:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
         use_tqdm: bool = True,
+        lora_name: str | None | Sequence[str | None] = None,
     ) -> list[Output]:
         """Run every prompt to completion; results in input order.
 
         A prompt is a string (tokenized with the model's tokenizer), a list of token ids, or a
         dict with `prompt` or `prompt_token_ids`. One prompt may be passed bare. A request the
         engine rejects (say, longer than the context) comes back with finish_reason "error".
+        `lora_name`: the LoRA adapter every prompt runs under, or one per prompt (None: the
+        base); a name not served is a ValueError naming it.
         """
         items = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(items))
+        loras = self._loras(lora_name, len(items))
         batch = next(self._batches)
         outputs = []
         for i, item in enumerate(items):
             text, ids = self._encode(item, i)
             outputs.append(Output(index=i, prompt=text, prompt_token_ids=ids,
                                   prompt_tokens=len(ids)))
-        return self._run(outputs, params, f"offline-{batch}-", use_tqdm)
+        return self._run(outputs, params, loras, f"offline-{batch}-", use_tqdm)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Serve one more PEFT adapter (needs `enable_lora=True` or `lora_paths`); a
+        ValueError names what is wrong with it."""
+        reply = self.core.load_lora(lora_name, str(lora_path))
+        if reply.status != 200:
+            raise ValueError(reply.message)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        reply = self.core.unload_lora(lora_name)  # nothing runs between two generate calls
+        if reply.status != 200:
+            raise ValueError(reply.message)
 
     def chat(
         self,
@@ -113,6 +135,7 @@ class Engine:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         tools: list[dict] | None = None,
+        lora_name: str | None | Sequence[str | None] = None,
     ) -> list[Output]:
         """Like `generate`, for conversations rendered with the model's chat template; `tools`
         (OpenAI's shape) are rendered in the `tool_call_parser` format (`common.tool_calls`
@@ -127,7 +150,7 @@ class Engine:
                                                         self.args.tool_call_parser)}
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_name)
 
     # -- inside ---------------------------------------------------------------------------------
     def _encode(self, item: Prompt, i: int) -> tuple[str | None, list[int]]:
@@ -145,19 +168,31 @@ class Engine:
         raise TypeError(f"prompts[{i}] must be a string or a list of token ids, not "
                         f"{type(item).__name__}")
 
-    def _run(self, outputs: list[Output], params: list[SamplingParams], tag: str,
-             use_tqdm: bool) -> list[Output]:
+    def _loras(self, lora_name: str | None | Sequence[str | None], n: int) -> list[str | None]:
+        names = [lora_name] * n if lora_name is None or isinstance(lora_name, str) \
+            else list(lora_name)
+        if len(names) != n:
+            raise ValueError(f"{len(names)} lora_name values for {n} prompts: pass one, or "
+                             "one each")
+        for name in set(names):
+            if (why := self.core.loras.refusal(name)) is not None:
+                raise ValueError(f"lora_name: {why}")
+        return names
+
+    def _run(self, outputs: list[Output], params: list[SamplingParams],
+             loras: list[str | None], tag: str, use_tqdm: bool) -> list[Output]:
         from tqdm.auto import tqdm
 
         by_rid = {f"{tag}{o.index}": o for o in outputs}
         texts: dict[str, IncrementalText] = {}
         now = time.perf_counter()
-        for (rid, out), p in zip(by_rid.items(), params, strict=True):
+        for (rid, out), p, lora in zip(by_rid.items(), params, loras, strict=True):
             out.arrival_time = now
             texts[rid] = IncrementalText(self.tokenizer, p.stop, p.skip_special_tokens,
                                          p.include_stop_str_in_output)
             self.core.submit(TokenizedReq(rid=rid, gateway_id="offline",
-                                          input_ids=out.prompt_token_ids, params=p))
+                                          input_ids=out.prompt_token_ids, params=p,
+                                          lora_name=lora))
         pending = set(by_rid)
         generated = 0
         bar = tqdm(total=len(outputs), desc="Generating", unit="req", disable=not use_tqdm,

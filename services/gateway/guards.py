@@ -2,7 +2,7 @@
 
 Keys: `--api-key` opens generation and reading; where `--admin-api-key` is set, it alone opens
 the routes that change server state (ending other clients' requests, dropping the cache they
-share), and it opens everything else too."""
+share, loading and unloading LoRA adapters), and it opens everything else too."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from services.gateway import anthropic
 from services.gateway.protocol import APIError, check_json_depth
 
 OPEN_PATHS = frozenset({"/health", "/metrics", "/openapi.json"})  # probes and scrapers
-ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache"})
+ADMIN_PATHS = frozenset({"/abort_request", "/flush_cache", "/load_lora_adapter",
+                         "/unload_lora_adapter"})
 X_API_KEY_PATHS = frozenset({anthropic.PATH})  # Anthropic's clients send `x-api-key: KEY`
 
 

@@ -23,6 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from common.messages import GRAMMAR_COMPILE_BUCKETS, TextOut
 
 if TYPE_CHECKING:
+    from common.messages import StatsOut
     from common.peers import PeerTable
     from services.gateway.tracker import SubRequest, Tracker
 
@@ -99,6 +100,7 @@ class _SchedulerCollector:
         yield self._router_decisions()
         yield self._compile_times()
         yield self._accepted_per_pos()
+        yield from self._lora(scheds)
         inflight = GaugeMetricFamily(P + "requests_in_flight",
                                      "Requests each service holds state for (leaks show here).",
                                      labels=["model_name", "service"])
@@ -133,6 +135,28 @@ class _SchedulerCollector:
         for reason, n in sorted(by_reason.items()):
             decisions.add_metric([self.model_name, reason], n)
         return decisions
+
+    def _lora(self, scheds: list[StatsOut]):
+        """vLLM's lora_requests_info (an info metric: value 1, the adapters' names in its
+        labels, comma-separated, over every live scheduler), and requests per adapter."""
+        running: PyCounter[str] = PyCounter()
+        waiting: PyCounter[str] = PyCounter()
+        for s in scheds:
+            running.update(s.lora_running or {})
+            waiting.update(s.lora_waiting or {})
+        info = GaugeMetricFamily(P + "lora_requests_info", "Running and waiting LoRA "
+                                 "adapters, and --max-loras-per-batch.",
+                                 labels=["model_name", "max_lora", "running_lora_adapters",
+                                         "waiting_lora_adapters"])
+        info.add_metric([self.model_name, str(max((s.max_lora for s in scheds), default=0)),
+                         ",".join(sorted(running)), ",".join(sorted(waiting))], 1)
+        yield info
+        per = GaugeMetricFamily(P + "lora_requests", "Requests per LoRA adapter, running or "
+                                "waiting.", labels=["model_name", "lora_name", "state"])
+        for state, counts in (("running", running), ("waiting", waiting)):
+            for name, n in sorted(counts.items()):
+                per.add_metric([self.model_name, name, state], n)
+        yield per
 
     def _accepted_per_pos(self) -> CounterMetricFamily:
         """Accepted drafts by their position in the proposal (vLLM's per-position counter)."""

@@ -19,7 +19,9 @@ from services.gateway.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 from services.gateway.responses import (
     MAX_INPUT_ITEMS,
@@ -123,6 +125,15 @@ ABORT_REQUEST = {
 
 OBJECT = {"type": "object"}
 
+LORA_ADAPTER_RESPONSE = {
+    "title": "LoraAdapterResponse",
+    "type": "object",
+    "properties": {"success": {"type": "boolean"}, "message": {"type": "string"},
+                   "loaded_adapters": {"type": "object", "description": "name -> path",
+                                       "additionalProperties": {"type": "string"}}},
+    "required": ["success", "message", "loaded_adapters"],
+}
+
 TOKENIZE_RESPONSE = {
     "title": "TokenizeResponse",
     "type": "object",
@@ -220,7 +231,8 @@ def _schemas() -> dict[str, Any]:
     _, schemas = msgspec.json.schema_components(
         [ChatCompletionRequest, CompletionRequest, GenerateRequest, TokenizeRequest,
          DetokenizeRequest, ResponsesRequest, MessageItem, FunctionCallItem,
-         FunctionCallOutputItem, FunctionTool, MessagesRequest], ref_template=REF)
+         FunctionCallOutputItem, FunctionTool, MessagesRequest, LoadLoraAdapterRequest,
+         UnloadLoraAdapterRequest], ref_template=REF)
     messages = {"type": "array", "minItems": 1, "items": _ref("ChatMessage")}
     schemas["ChatCompletionRequest"]["properties"]["messages"] = messages
     schemas["TokenizeRequest"]["properties"]["messages"] = messages
@@ -243,7 +255,8 @@ def _schemas() -> dict[str, Any]:
     schemas.update(ChatMessage=CHAT_MESSAGE, AbortRequest=ABORT_REQUEST,
                    ErrorResponse=ERROR_RESPONSE, AnthropicErrorResponse=ANTHROPIC_ERROR_RESPONSE,
                    TokenizeResponse=TOKENIZE_RESPONSE,
-                   DetokenizeResponse=DETOKENIZE_RESPONSE)
+                   DetokenizeResponse=DETOKENIZE_RESPONSE,
+                   LoraAdapterResponse=LORA_ADAPTER_RESPONSE)
     return schemas
 
 
@@ -273,6 +286,12 @@ def spec(model_name: str, api_key: bool = False) -> dict[str, Any]:
                                         errors=(404,)), "security": []}},
             "/openapi.json": {"get": {**_get("this document", errors=()), "security": []}},
             "/flush_cache": {"get": flush, "post": flush},
+            "/load_lora_adapter": _post("LoadLoraAdapterRequest", "serve a PEFT LoRA adapter as "
+                                        "`model` = lora_name (a 400 names what is wrong with "
+                                        "it)", "LoraAdapterResponse", (400, 401, 413, 503)),
+            "/unload_lora_adapter": _post("UnloadLoraAdapterRequest", "stop serving a LoRA "
+                                          "adapter (its running requests finish first)",
+                                          "LoraAdapterResponse", (400, 401, 404, 413, 503)),
             "/abort_request": {"post": {
                 "summary": "abort a request by id, or all of them",
                 "requestBody": {"required": True, "content": {

@@ -422,6 +422,23 @@ def abort_target(body: bytes) -> str | None:
     return rid
 
 
+LoraName = Annotated[str, Meta(min_length=1, max_length=256)]
+
+
+class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's and SGLang's /load_lora_adapter: a PEFT directory on the schedulers' disks,
+    served as `model` = `lora_name` once every scheduler has read and checked it."""
+
+    lora_name: LoraName
+    lora_path: Annotated[str, Meta(min_length=1, max_length=4096)]
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's and SGLang's /unload_lora_adapter (running requests under it finish first)."""
+
+    lora_name: LoraName
+
+
 def check_model(asked: str | None, served: str, adapters: Sequence[str] = ()) -> str | None:
     """The LoRA adapter `asked` names (None: the base model); a 404 naming it when it is
     neither the base nor one of `adapters` (--lora-paths)."""

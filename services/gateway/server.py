@@ -36,6 +36,7 @@ from common.service import Service
 from services.gateway import anthropic, guards, spans
 from services.gateway.anthropic_render import MessagesRenderer
 from services.gateway.failover import Failover
+from services.gateway.lora import AdapterRoutes, AdapterTable
 from services.gateway.metrics import Metrics
 from services.gateway.protocol import (
     APIError,
@@ -43,7 +44,9 @@ from services.gateway.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     GenerateRequest,
+    LoadLoraAdapterRequest,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
     abort_target,
     check_model,
     decode_body,
@@ -89,9 +92,12 @@ class GatewayService(Service):
                                args.model, args.chat_template)
         self.max_model_len = args.max_model_len or self.info.max_model_len
         self.model_name = self.info.name
-        self.lora_names = list(lora_paths(args))  # --lora-paths: served by `model` = the name
         self.tracker = Tracker()
         self.peers = PeerTable(args.heartbeat_timeout)
+        # LoRA adapters served by `model` = the name: --lora-paths, then the schedulers' own
+        self.adapters = AdapterTable(lora_paths(args), self.peers)
+        self.adapter_routes = AdapterRoutes(self.bus, self.subjects, self.peers, self.adapters,
+                                            self.model_name)
         self.failover = Failover(self.bus, self.subjects, self.peers, self.tracker, self.stats,
                                  args.heartbeat_timeout)
         self.metrics = Metrics(self.model_name, self.peers, self.tracker, self.failover.resumed,
@@ -132,6 +138,7 @@ class GatewayService(Service):
         if isinstance(msg, StatsOut):
             before = self.peers.latest.get((msg.service, msg.instance_id))
             self.peers.record(msg)
+            self.adapters.on_stats(msg)
             if before is not None and msg.nats_reconnects > before.nats_reconnects:
                 log.info("a peer's NATS client reconnected", service=msg.service,
                          instance_id=msg.instance_id)
@@ -159,6 +166,8 @@ class GatewayService(Service):
         app.router.add_post("/abort_request", self.abort_request)
         app.router.add_post("/flush_cache", self.flush_cache)
         app.router.add_get("/flush_cache", self.flush_cache)
+        app.router.add_post("/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/unload_lora_adapter", self.unload_lora_adapter)
         app.router.add_get("/get_server_info", self.server_info)
         app.router.add_get("/metrics", self.metrics_route)
         app.router.add_get("/openapi.json", self.openapi)
@@ -206,17 +215,19 @@ class GatewayService(Service):
         adapters = [{"id": name, "object": "model", "created": int(self.started),
                      "owned_by": "tokenline", "root": path, "parent": self.model_name,
                      "max_model_len": self.max_model_len}
-                    for name, path in lora_paths(self.args).items()]
+                    for name, path in self.adapters.served().items()]
         return _json({"object": "list", "data": [base, *adapters]})
 
     def _adapter(self, model: str | None, lora_path: str | None = None) -> str | None:
         """The LoRA adapter a request asks for, by `model` or SGLang's `lora_path` (None: the
-        base); a 404 naming an adapter not in --lora-paths."""
-        lora = check_model(model, self.model_name, self.lora_names)
+        base); a 404 naming an adapter not served (--lora-paths, /load_lora_adapter)."""
+        served = self.adapters.served()
+        lora = check_model(model, self.model_name, list(served))
         if lora_path is None:
             return lora
-        if lora_path not in self.lora_names:
-            raise APIError(f"The LoRA adapter `{lora_path}` does not exist (--lora-paths)",
+        if lora_path not in served:
+            raise APIError(f"The LoRA adapter `{lora_path}` does not exist (--lora-paths, "
+                           "/load_lora_adapter)",
                            "lora_path", 404, code="model_not_found")
         return lora_path
 
@@ -266,6 +277,16 @@ class GatewayService(Service):
             raise APIError("not every scheduler answered the flush", None, 503)
         return _json({"success": True, "message": "Cache flushed.",
                       "schedulers": [r.scheduler_id for r in replies]})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's and SGLang's: every scheduler reads and checks the adapter (services/gateway/
+        lora.py); a refusal is a 400 naming the problem, and nothing serving changes."""
+        return _json(await self.adapter_routes.load(
+            await self._body(request, LoadLoraAdapterRequest)))
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        return _json(await self.adapter_routes.unload(
+            await self._body(request, UnloadLoraAdapterRequest)))
 
     # -- the tokenizer's routes (vLLM's) --------------------------------------------------------
     async def tokenize(self, request: web.Request) -> web.Response:

@@ -54,6 +54,8 @@ def on_start(subs: list[GenerateReq], model: str, group: str) -> None:
                          **tracing.request_attributes(subs[0].params)})
     if len(subs) > 1:
         span.set_attribute("gen_ai.request.choice.count", len(subs))
+    if subs[0].lora_name is not None:
+        span.set_attribute(tracing.LORA_NAME, subs[0].lora_name)
 
 
 def on_end(subs: list[SubRequest], usage: dict, reason: str) -> None:

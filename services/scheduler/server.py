@@ -27,10 +27,13 @@ from common.messages import (
     KvEventsOut,
     KvSnapshotOut,
     KvSnapshotReq,
+    LoadLoraReq,
+    LoraOut,
     Message,
     StatsOut,
     TokenizedReq,
     TokenOut,
+    UnloadLoraReq,
 )
 from common.peers import PeerTable
 from common.service import Service
@@ -99,6 +102,8 @@ class SchedulerService(Service):
                                     lambda: self.bus.connected))
         self.bus.on_connection_change.append(self.peers.on_connection)
         await self.bus.subscribe_requests(self.subjects.flush_cache, self.on_flush)
+        await self.bus.subscribe_requests(self.subjects.load_lora, self.on_lora)
+        await self.bus.subscribe_requests(self.subjects.unload_lora, self.on_lora)
         await self.bus.subscribe_requests(self.subjects.kv_snapshot(self.instance_id),
                                           self.on_kv_snapshot)
         await self._publish_kv_events()  # "empty": routers that knew an earlier life forget it
@@ -143,6 +148,27 @@ class SchedulerService(Service):
                 self.worker, self.engine.flush_cache)
             await self._publish_kv_events()
         return FlushCacheOut(scheduler_id=self.instance_id, ok=ok, message=message)
+
+    async def on_lora(self, msg: Message) -> Message:
+        """/load_lora_adapter and /unload_lora_adapter: between two steps, on the model's
+        thread (reading an adapter takes that thread's time, not the event loop's)."""
+        assert isinstance(msg, LoadLoraReq | UnloadLoraReq)
+        if isinstance(msg, UnloadLoraReq) and msg.only is not None \
+                and self.instance_id not in msg.only:
+            return LoraOut(scheduler_id=self.instance_id, status=0)
+        if isinstance(msg, LoadLoraReq):
+            work = lambda: self.engine.load_lora(msg.lora_name, msg.lora_path)  # noqa: E731
+        else:
+            work = lambda: self.engine.unload_lora(msg.lora_name)  # noqa: E731
+        async with self.step_lock:
+            reply = await asyncio.get_running_loop().run_in_executor(self.worker, work)
+        log.info("LoRA adapter " + ("load" if isinstance(msg, LoadLoraReq) else "unload"),
+                 lora_name=msg.lora_name, status=reply.status, message=reply.message)
+        loras = self.engine.loras
+        return LoraOut(scheduler_id=self.instance_id, status=reply.status,
+                       message=reply.message, param=reply.param, running=reply.running,
+                       adapters=loras.adapters,
+                       version=loras.version)
 
     # -- KV events ------------------------------------------------------------------------------
     async def _publish_kv_events(self) -> None:

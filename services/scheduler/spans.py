@@ -50,6 +50,8 @@ class SchedulerSpans:
         now = tracing.now_ns()
         attrs = {tracing.RID: msg.rid, tracing.USAGE_INPUT_TOKENS: len(msg.input_ids),
                  **tracing.request_attributes(msg.params)}
+        if msg.lora_name is not None:
+            attrs[tracing.LORA_NAME] = msg.lora_name
         generate = tracing.start_span("generate", parent, "consumer", attrs, now)
         queued = tracing.start_span("queued", generate, attributes={tracing.RID: msg.rid},
                                     start_ns=now)

@@ -261,3 +261,135 @@ def test_adapter_on_a_quantized_base_stays_float(tiny_model_dir, adapters, mode)
     ref = adapters["all16"][1]
     effect = (ref - base_logits(base, ids)).abs().max().item()
     assert (ours - ref).abs().max().item() < effect / 5
+
+
+def _other_base(src: Path, dst: Path) -> Path:
+    """`src` with every lora_A one input column wider: an adapter made for another model."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "adapter_model.safetensors"))
+    wider = {k: torch.cat([t, t[:, :1]], dim=1) if "lora_A" in k else t
+             for k, t in tensors.items()}
+    save_file(wider, str(dst / "adapter_model.safetensors"))
+    return dst
+
+
+def _lora_engine(tiny_model_dir, **kw):
+    from services.scheduler.core.engine import EngineCore
+    from tests.helpers import engine_args
+
+    return EngineCore(engine_args(tiny_model_dir, debug_check_integrity=True, **kw))
+
+
+def _gen(engine, name: str | None, rid: str = "r", n: int = 8) -> list[int]:
+    from common.messages import SamplingParams, TokenizedReq
+    from tests.helpers import run_engine
+
+    params = SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+    tokens, finish, _ = run_engine(engine, [TokenizedReq(
+        rid=rid, gateway_id="g", input_ids=list(range(500, 530)), params=params,
+        lora_name=name)])
+    assert finish[rid].kind == "length", finish[rid]
+    return tokens[rid]
+
+
+def test_runtime_load_refuses_bad_adapters_naming_them_and_serves_a_good_one(
+        tiny_model_dir, adapters, tmp_path):
+    """Each refusal is a 400 naming the problem and changes nothing; the adapter loaded at
+    runtime generates what the same adapter given at start-up does."""
+    engine = _lora_engine(tiny_model_dir, enable_lora=True, max_lora_rank=8)
+    bad_target = tmp_path / "fc"
+    import shutil
+
+    shutil.copytree(adapters["qv8"][0], bad_target)
+    config = json.loads((bad_target / "adapter_config.json").read_text())
+    config["target_modules"] = ["q_proj", "fc_in"]
+    (bad_target / "adapter_config.json").write_text(json.dumps(config))
+    refusals = {
+        "rank 16 exceeds --max-lora-rank 8": adapters["all16"][0],
+        "nowhere: no such directory": tmp_path / "nowhere",
+        "adapter_config.json missing": tmp_path,
+        "'fc_in'": bad_target,
+        "another base model": _other_base(adapters["qv8"][0], tmp_path / "other"),
+    }
+    for why, path in refusals.items():
+        reply = engine.load_lora("x", str(path))
+        assert (reply.status, reply.param) == (400, "lora_path") and why in reply.message, reply
+        assert engine.loras.adapters == {} and engine.loras.refusal("x") is not None
+    assert engine.load_lora("qv8", str(adapters["qv8"][0])).status == 200
+    again = engine.load_lora("qv8", str(adapters["mlp4rs"][0]))
+    assert again.status == 400 and "already loaded" in again.message
+    tiny = engine.info.name
+    assert "base model" in engine.load_lora(tiny, str(adapters["qv8"][0])).message
+    at_start = _lora_engine(tiny_model_dir, lora_paths=[f"qv8={adapters['qv8'][0]}"])
+    assert _gen(engine, "qv8") == _gen(at_start, "qv8") != _gen(engine, None)
+    assert engine.unload_lora("qv8").status == 200 and engine.loras.adapters == {}
+    assert "not served" in engine.loras.refusal("qv8")
+    gone = engine.unload_lora("qv8")
+    assert gone.status == 404 and "qv8" in gone.message
+    engine.check_integrity()
+
+
+def test_unloading_an_adapter_in_use_drains_it(tiny_model_dir, adapters):
+    """Unload while a request runs under it: that request keeps every token, a new one is
+    refused naming the adapter, a reload waits for the drain; then it is gone."""
+    from common.messages import SamplingParams, TokenizedReq
+
+    engine = _lora_engine(tiny_model_dir, lora_paths=[f"qv8={adapters['qv8'][0]}"])
+    alone = _gen(engine, "qv8", "alone", n=12)
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    engine.submit(TokenizedReq(rid="run", gateway_id="g", input_ids=list(range(500, 530)),
+                               params=params, lora_name="qv8"))
+    tokens = [t for out in engine.step() for t in out.token_ids]
+    reply = engine.unload_lora("qv8")
+    assert reply.status == 200 and reply.running == 1 and "unloading" in reply.message
+    assert engine.loras.adapters == {}  # no new request
+    assert "being unloaded" in engine.load_lora("qv8", str(adapters["qv8"][0])).message
+    engine.submit(TokenizedReq(rid="late", gateway_id="g", input_ids=[1, 2, 3], params=params,
+                               lora_name="qv8"))
+    finish = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.rid == "run":
+                tokens += out.token_ids
+            if out.finish is not None:
+                finish[out.rid] = out.finish
+    assert finish["run"].kind == "length" and tokens == alone
+    assert finish["late"].kind == "error" and "being unloaded" in finish["late"].message
+    assert "qv8" not in engine.runner.lora.paths and not engine.loras.draining
+    assert engine.load_lora("qv8", str(adapters["qv8"][0])).status == 200
+    engine.check_integrity()
+
+
+def test_runtime_load_without_lora_enabled_names_the_flag(tiny_model_dir, adapters):
+    engine = _lora_engine(tiny_model_dir)
+    reply = engine.load_lora("qv8", str(adapters["qv8"][0]))
+    assert reply.status == 400 and "--enable-lora" in reply.message
+    assert engine.unload_lora("qv8").status == 400
+
+
+def test_offline_engine_takes_an_adapter_per_prompt(tiny_model_dir, adapters):
+    """`Engine(lora_paths=...)`'s generate with lora_name per prompt gives each prompt what
+    the engine core gives it under that adapter; an adapter loaded later works the same."""
+    from tokenline import Engine
+
+    dirs = {n: str(d) for n, (d, _) in adapters.items()}
+    engine = Engine(str(tiny_model_dir), lora_paths={"qv8": dirs["qv8"]},
+                    max_total_tokens=4096)
+    prompt = list(range(500, 530))
+    params = dict(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    outs = engine.generate([prompt, prompt], params, use_tqdm=False, lora_name=["qv8", None])
+    core = _lora_engine(tiny_model_dir, lora_paths=[f"qv8={dirs['qv8']}"])
+    assert outs[0].token_ids == _gen(core, "qv8") != outs[1].token_ids == _gen(core, None)
+    with pytest.raises(ValueError, match="'all16' is not served"):
+        engine.generate(prompt, params, use_tqdm=False, lora_name="all16")
+    engine.load_lora_adapter("all16", dirs["all16"])
+    (out,) = engine.generate(prompt, params, use_tqdm=False, lora_name="all16")
+    assert out.token_ids == _gen(_lora_engine(tiny_model_dir, lora_paths=[
+        f"all16={dirs['all16']}"]), "all16")
+    engine.unload_lora_adapter("all16")
+    with pytest.raises(ValueError, match="does not exist"):
+        engine.unload_lora_adapter("all16")

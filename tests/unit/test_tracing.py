@@ -151,3 +151,18 @@ def test_scheduler_spans_of_a_request_aborted_while_queued_say_abort(exported):
     assert gen.attributes["gen_ai.response.finish_reasons"] == ("abort",)
     assert gen.status.status_code.name == "ERROR"
     assert gen.status.description == "aborted by client"
+
+
+def test_scheduler_span_names_the_lora_adapter(exported):
+    spans = SchedulerSpans()
+    req = _req("a", 4)
+    req.lora_name = "pirate"
+    spans.arrive(req, PARENT)
+    spans.arrive(_req("b", 4), PARENT)
+    spans.after_step([_out(r, [1], 1, Finish(kind="length")) for r in ("a", "b")],
+                     StepStats(scheduled_rids=["a", "b"], num_new=[4, 4]), time.time_ns(),
+                     time.time_ns())
+    gens = {s.attributes["tokenline.rid"]: s for s in exported.get_finished_spans()
+            if s.name == "generate"}
+    assert gens["a"].attributes["tokenline.lora_name"] == "pirate"
+    assert "tokenline.lora_name" not in gens["b"].attributes  # the base

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common.config import ServerArgs, lora_paths
+from common.config import ServerArgs
 from common.incremental import IncrementalText
 from common.logging import get_logger
 from common.messages import AbortReq, Finish, KvEvent, LogprobOut, TokenizedReq, TokenOut
@@ -25,6 +25,7 @@ from common.modelstore import gguf_source, model_info, prepare_model
 from services.scheduler.core.draft import draft_proposer
 from services.scheduler.core.grammar import GrammarCompiler, GrammarError, XGrammarBackend
 from services.scheduler.core.kv_pool import BlockPool
+from services.scheduler.core.lora_admin import LoraAdmin, LoraReply
 from services.scheduler.core.request import Request
 from services.scheduler.core.sampler import SampleRow, needs_counts, sample
 from services.scheduler.core.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -73,7 +74,7 @@ class EngineCore:
             quantization=args.quantization,
             gguf_path=gguf_source(args.model) if model_path is None else None,
         )
-        self._enable_lora(args)
+        self.loras = LoraAdmin(self.runner, args, self.info.name)
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, args.page_size, not args.disable_prefix_cache)
         self.scheduler = Scheduler(scheduler_config(args, self.max_model_len), self.pool)
@@ -104,12 +105,6 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_step = StepStats()
-
-    def _enable_lora(self, args: ServerArgs) -> None:
-        """--lora-paths: every adapter read once now, so a bad one stops the start naming it."""
-        if args.lora_paths:
-            self.runner.enable_lora({n: Path(p) for n, p in lora_paths(args).items()},
-                                    args.max_lora_rank, args.max_loras_per_batch)
 
     # -- thread-safe entry points ---------------------------------------------------------------
     def submit(self, msg: TokenizedReq) -> None:
@@ -165,6 +160,8 @@ class EngineCore:
         elif self.compiling and not outputs:  # only compiles to wait for: do not spin
             wait_futures([r.grammar_job.future for r in self.compiling],
                          timeout=GRAMMAR_POLL_S, return_when=FIRST_COMPLETED)
+        if self.loras.enabled:
+            self._count_loras()
         if self.args.debug_check_integrity and not self.scheduler.has_work() \
                 and not self.compiling:
             self.check_integrity()
@@ -299,10 +296,7 @@ class EngineCore:
         bad = [t for t in req.prompt_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
             return f"token id {bad[0]} is outside the vocabulary [0, {self.runner.vocab_size})"
-        lora = self.runner.lora
-        if req.lora_name is not None and (lora is None or req.lora_name not in lora.paths):
-            return f"LoRA adapter {req.lora_name!r} is not served here (--lora-paths)"
-        return None
+        return self.loras.refusal(req.lora_name)
 
     def _apply_abort(self, msg: AbortReq, outputs: list[TokenOut], now: float) -> None:
         if msg.abort_all:
@@ -594,6 +588,22 @@ class EngineCore:
         req.output_counts = req.seen_mask = req.stop_text = None
 
     # -- books ----------------------------------------------------------------------------------
+    # -- LoRA adapters at runtime (called between steps, on the engine's thread) ---------------
+    def load_lora(self, name: str, path: str) -> LoraReply:
+        return self.loras.load(name, path)
+
+    def unload_lora(self, name: str) -> LoraReply:
+        """Drained: running and queued requests under it finish first (see lora_admin.py)."""
+        return self.loras.unload(name, (r.lora_name for r in self.requests.values()))
+
+    def _count_loras(self) -> None:
+        """After a step: drop drained adapters no request uses; count requests per adapter."""
+        if self.loras.draining:
+            for name in self.loras.drop_drained({r.lora_name for r in self.requests.values()}):
+                log.info(f"LoRA adapter {name!r} unloaded: its last request ended")
+        self.loras.count((r.lora_name for r in self.scheduler.running),
+                         (r.lora_name for r in self.scheduler.waiting))
+
     def flush_cache(self) -> tuple[bool, str]:
         if self.scheduler.has_work():
             return False, "cannot flush the cache while requests are running"
@@ -641,6 +651,7 @@ class EngineCore:
             grammar_compile_buckets=list(self.grammars.stats.compile_buckets),
             grammar_compile_seconds_sum=self.grammars.stats.compile_seconds_sum,
             **self._spec_stats(),
+            **self.loras.stats(),
         )
 
     def _spec_stats(self) -> dict:

@@ -56,6 +56,8 @@ def lora_scale(config: dict) -> float:
 
 def read_config(path: Path, max_rank: int) -> dict:
     """adapter_config.json, validated: a ValueError naming the file or field otherwise."""
+    if not path.is_dir():
+        raise ValueError(f"LoRA adapter {path}: no such directory")
     file = path / "adapter_config.json"
     if not file.is_file():
         raise ValueError(f"LoRA adapter {path}: adapter_config.json missing")
@@ -301,6 +303,25 @@ class LoraSet:
         while len(self.loaded) > self.max_loaded:
             self.loaded.popitem(last=False)
         return adapter
+
+    def add(self, name: str, path: Path) -> LoraAdapter:
+        """Serve one more adapter: read and validated now (a ValueError naming the problem
+        leaves the set as it was), then kept like any other."""
+        if name in self.paths:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        adapter = load_adapter(name, Path(path), self.model, self.max_rank, self.dtype)
+        self.paths[name] = Path(path)
+        self.loaded[name] = adapter
+        while len(self.loaded) > self.max_loaded:
+            self.loaded.popitem(last=False)
+        return adapter
+
+    def remove(self, name: str) -> None:
+        """Stop serving `name` (no running request may use it: the engine drains it first)."""
+        del self.paths[name]
+        self.loaded.pop(name, None)
+        if name in self._stacks[0]:
+            self._stacks = ((), {})
 
     def activate(self, names: Sequence[str | None], num_rows: Sequence[int]) -> None:
         """Set every Linear's slot for a step whose request b has `num_rows[b]` packed rows
