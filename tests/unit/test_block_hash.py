@@ -57,3 +57,26 @@ def test_an_adapter_changes_every_block_apart_from_salts():
     sched = Scheduler(SchedulerConfig(), BlockPool(64, 8, True))
     req = Request(rid="r", prompt_ids=tokens, params=SamplingParams(), lora_name="a")
     assert sched._hashes(req) == a
+
+
+def test_forgetting_an_adapter_drops_its_cached_blocks_alone():
+    """An unloaded adapter's cached blocks stop being found (and the router hears it); the
+    base's and other adapters' stay; an evicted block takes its tag with it."""
+    pool = BlockPool(8, 4)
+    pool.record_events()
+    blocks = pool.allocate(4)
+    hashes = {tag: prefix_block_hashes(list(range(12)), 4, None, tag) for tag in ("a", "b", None)}
+    pool.register(blocks[0], hashes["a"][0], None, "a")
+    pool.register(blocks[1], hashes["a"][1], hashes["a"][0], "a")
+    pool.register(blocks[2], hashes["b"][0], None, "b")
+    pool.register(blocks[3], hashes[None][0], None)
+    pool.release(blocks)
+    pool.take_events()
+    assert pool.forget("a") == 2
+    assert pool.match_prefix(hashes["a"]) == [] and pool.match_prefix(hashes["b"][:1]) == [blocks[2]]
+    assert pool.match_prefix(hashes[None][:1]) == [blocks[3]]
+    assert [e.block_hashes for e in pool.take_events()] == [hashes["a"][:2]]
+    assert pool.num_free == 6 and pool.forget("a") == 0
+    pool.allocate(8)  # evicts every cached block, "b"'s tag with its block
+    assert pool.tag_of == {}
+    pool.check_integrity()

@@ -360,7 +360,10 @@ def test_unloading_an_adapter_in_use_drains_it(tiny_model_dir, adapters):
     assert finish["run"].kind == "length" and tokens == alone
     assert finish["late"].kind == "error" and "being unloaded" in finish["late"].message
     assert "qv8" not in engine.runner.lora.paths and not engine.loras.draining
-    assert engine.load_lora("qv8", str(adapters["qv8"][0])).status == 200
+    # the name back with other weights: the steps use them, not the slots the old ones filled
+    assert engine.load_lora("qv8", str(adapters["mlp4rs"][0])).status == 200
+    mlp = _lora_engine(tiny_model_dir, lora_paths=[f"qv8={adapters['mlp4rs'][0]}"])
+    assert _gen(engine, "qv8", "again", n=12) == _gen(mlp, "qv8", "mlp", n=12) != alone
     engine.check_integrity()
 
 

@@ -77,6 +77,7 @@ class EngineCore:
         self.loras = LoraAdmin(self.runner, args, self.info.name)
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, args.page_size, not args.disable_prefix_cache)
+        self.loras.forget_cached = self.pool.forget
         self.scheduler = Scheduler(scheduler_config(args, self.max_model_len), self.pool)
         spec = spec_config(args)
         self.spec = None

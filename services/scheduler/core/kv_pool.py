@@ -28,6 +28,7 @@ class BlockPool:
         self.ref_cnt = [0] * num_blocks
         self.hash_of: dict[int, bytes] = {}
         self.block_of: dict[bytes, int] = {}
+        self.tag_of: dict[bytes, str] = {}  # a cached hash -> the LoRA adapter it was made under
         self.evictable: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         # What entered and left the cache since the last `take_events`, for routers elsewhere;
         # None: nobody listens, keep nothing.
@@ -65,6 +66,7 @@ class BlockPool:
             h = self.hash_of.pop(block, None)
             if h is not None:
                 del self.block_of[h]
+                self.tag_of.pop(h, None)
                 self._removed(h)
                 self.num_evictions_total += 1
             self.ref_cnt[block] = 1
@@ -98,13 +100,16 @@ class BlockPool:
                 del self.evictable[block]
             self.ref_cnt[block] += 1
 
-    def register(self, block: int, h: bytes, parent: bytes | None) -> None:
+    def register(self, block: int, h: bytes, parent: bytes | None,
+                 tag: str | None = None) -> None:
         """A full, computed block becomes findable by its prefix hash (`parent`: the previous
-        block's, None for a first block)."""
+        block's, None for a first block); `tag`: the LoRA adapter whose KV it holds."""
         if not self.enable_prefix_cache or block in self.hash_of or h in self.block_of:
             return
         self.hash_of[block] = h
         self.block_of[h] = block
+        if tag is not None:
+            self.tag_of[h] = tag
         if self.events is not None:
             last = self.events[-1] if self.events else None
             if isinstance(last, BlockStored) and last.block_hashes[-1] == parent:
@@ -120,11 +125,24 @@ class BlockPool:
             else:
                 self.events.append(BlockRemoved([h]))
 
+    def forget(self, tag: str) -> int:
+        """Forget the cached blocks made under adapter `tag` (unloaded: a later adapter of the
+        same name, other weights, hashes alike). Its requests have all left, so none is in use;
+        the blocks stay evictable, now free. How many."""
+        gone = [h for h, t in self.tag_of.items() if t == tag]
+        for h in gone:
+            block = self.block_of.pop(h)
+            assert self.ref_cnt[block] == 0, f"block {block} of adapter {tag!r} still in use"
+            del self.hash_of[block], self.tag_of[h]
+            self._removed(h)
+        return len(gone)
+
     def flush(self) -> int:
         """Forget every cached prefix (refused by the caller while requests run)."""
         n = len(self.hash_of)
         self.hash_of.clear()
         self.block_of.clear()
+        self.tag_of.clear()
         if self.events is not None:
             self.events = [AllBlocksCleared()]  # what came before no longer matters
         return n
@@ -153,3 +171,4 @@ class BlockPool:
         assert self.num_free + self.num_cached + self.num_used == self.num_blocks
         assert len(self.hash_of) == len(self.block_of)
         assert all(self.block_of[h] == b for b, h in self.hash_of.items())
+        assert self.tag_of.keys() <= self.block_of.keys(), "a tag outlived its cached block"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +40,9 @@ class LoraAdmin:
         self.runner, self.base_name = runner, base_name
         self.max_loras = args.max_loras_per_batch
         self.draining: set[str] = set()
+        # forgets an unloaded adapter's cached KV blocks (the engine's pool sets it): the
+        # block hashes fold in the adapter's name, and a name may come back with other weights
+        self.forget_cached: Callable[[str], int] = lambda name: 0
         self.version = time.time_ns()  # of the last change: the newest view of a peer wins
         self.adapters: dict[str, str] = {}  # served: name -> path (draining ones left out)
         self.counts: tuple[dict[str, int], dict[str, int]] = ({}, {})  # running, waiting
@@ -108,6 +111,7 @@ class LoraAdmin:
         for name in done:
             self.runner.lora.remove(name)
             self.draining.discard(name)
+            self.forget_cached(name)
         return done
 
     def count(self, running: Iterable[str | None], waiting: Iterable[str | None]) -> None:

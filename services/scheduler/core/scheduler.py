@@ -298,7 +298,7 @@ class Scheduler:
         self._extend_hashes(req, full)
         for i in range(full):
             self.pool.register(req.block_table[i], req.block_hashes[i],
-                               req.block_hashes[i - 1] if i else None)
+                               req.block_hashes[i - 1] if i else None, req.lora_name)
 
     # -- leaving ------------------------------------------------------------------------------
     def free(self, req: Request) -> None:

@@ -320,8 +320,8 @@ class LoraSet:
         """Stop serving `name` (no running request may use it: the engine drains it first)."""
         del self.paths[name]
         self.loaded.pop(name, None)
-        if name in self._stacks[0]:
-            self._stacks = ((), {})
+        if name in self._stacks[0]:  # the stacks and the slots set from them
+            self._stacks, self._layout = ((), {}), ((), ())
 
     def activate(self, names: Sequence[str | None], num_rows: Sequence[int]) -> None:
         """Set every Linear's slot for a step whose request b has `num_rows[b]` packed rows
