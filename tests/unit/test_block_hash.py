@@ -73,7 +73,8 @@ def test_forgetting_an_adapter_drops_its_cached_blocks_alone():
     pool.release(blocks)
     pool.take_events()
     assert pool.forget("a") == 2
-    assert pool.match_prefix(hashes["a"]) == [] and pool.match_prefix(hashes["b"][:1]) == [blocks[2]]
+    assert pool.match_prefix(hashes["a"]) == []
+    assert pool.match_prefix(hashes["b"][:1]) == [blocks[2]]
     assert pool.match_prefix(hashes[None][:1]) == [blocks[3]]
     assert [e.block_hashes for e in pool.take_events()] == [hashes["a"][:2]]
     assert pool.num_free == 6 and pool.forget("a") == 0
