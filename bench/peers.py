@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vllm-speculative-config", metavar="JSON",
                    help="--peer vllm: its --speculative-config, e.g. '{\"method\": "
                    "\"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
-                   "\"prompt_lookup_min\": 2}' (ours: --speculative-algorithm NGRAM after --)")
+                   "\"prompt_lookup_min\": 2}' (ours: --speculative-algorithm NGRAM after --; "
+                   "its defaults: k 8, windows 1-8)")
     p.add_argument("--tokenline-baseline", metavar="FLAGS",
                    help="also run ours with these flags instead of those after -- (e.g. \"\" "
                    "for none: speculation on against off, in the same rounds)")

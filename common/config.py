@@ -108,12 +108,14 @@ class ServerArgs:
         choices=["NGRAM", "STANDALONE"])
     speculative_draft_model_path: str | None = _flag(
         None, "STANDALONE: the draft model, a transformers directory or GGUF file")
-    speculative_num_draft_tokens: int = _flag(4, "draft tokens proposed per request per step, "
-                                              "verified in one forward")
+    speculative_num_draft_tokens: int | None = _flag(
+        None, "draft tokens proposed per request per step, verified in one forward; unset: 8 "
+        "for NGRAM (which drafts at most n + 1 after a suffix of n tokens matched), 4 for "
+        "STANDALONE")
     speculative_ngram_min_match_window_size: int = _flag(
-        2, "NGRAM: shortest suffix of the tokens so far that is looked up earlier in them")
+        1, "NGRAM: shortest suffix of the tokens so far that is looked up earlier in them")
     speculative_ngram_max_match_window_size: int = _flag(
-        4, "NGRAM: longest such suffix (the longest that matches wins)")
+        8, "NGRAM: longest such suffix (the longest that matches wins)")
     speculative_disable_by_batch_size: int = _flag(
         8, "no drafts while more requests than this run (a large batch is compute-bound)")
     # routing (the tokenizer picks the scheduler; names as SGLang's router has them)
@@ -274,7 +276,7 @@ def speculative_error(args: ServerArgs) -> str | None:
     k = args.speculative_num_draft_tokens
     lo = args.speculative_ngram_min_match_window_size
     hi = args.speculative_ngram_max_match_window_size
-    if not 1 <= k <= 64:
+    if k is not None and not 1 <= k <= 64:
         return f"--speculative-num-draft-tokens must be in [1, 64], not {k}"
     draft = args.speculative_draft_model_path
     if args.speculative_algorithm == "STANDALONE" and not draft:

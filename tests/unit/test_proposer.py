@@ -45,14 +45,24 @@ def test_ngram_is_a_proposer():
     assert proposer.propose([1, 2, 9, 1, 2], 1) == [9]
 
 
+def test_per_match_bounds_the_drafts_by_the_match_length():
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    assert NgramProposer(1, 4).propose(tokens, 8) == [4, 5, 6, 7, 8, 9, 1, 2]
+    assert NgramProposer(1, 4, per_match=1).propose(tokens, 8) == [4, 5, 6, 7]  # n = 3
+    assert NgramProposer(1, 4, per_match=1).propose(tokens, 2) == [4, 5]  # k still bounds
+    assert NgramProposer(1, 2, per_match=1).propose(tokens, 8) == [4, 5, 6]  # n = 2
+    # only the last token matches: two drafts
+    assert NgramProposer(1, 4, per_match=1).propose([5, 6, 7, 8, 6], 8) == [7, 8]
+
+
 @settings(max_examples=200, derandomize=True, deadline=None)
 @given(st.lists(st.integers(0, 4), min_size=0, max_size=60),
        st.lists(st.integers(1, 5), min_size=1, max_size=20), st.integers(1, 3),
-       st.integers(0, 2), st.integers(1, 5))
-def test_the_index_proposes_what_the_scan_does(tokens, growth, min_n, extra, k):
+       st.integers(0, 2), st.integers(1, 5), st.integers(0, 2))
+def test_the_index_proposes_what_the_scan_does(tokens, growth, min_n, extra, k, per_match):
     """The incremental index, fed as a request grows (a few tokens a step), agrees with a scan
     of the whole list at every size."""
-    proposer = NgramProposer(min_n, min_n + extra)
+    proposer = NgramProposer(min_n, min_n + extra, per_match)
     index = proposer.new_state()
     size = 0
     for step in growth:

@@ -89,9 +89,9 @@ def test_the_grammar_cuts_drafts_it_forbids_and_its_end(smol_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--speculative-num-draft-tokens", "0"], "--speculative-num-draft-tokens must be in"),
-    (["--speculative-ngram-min-match-window-size", "5"],
+    (["--speculative-ngram-min-match-window-size", "9"],
      "--speculative-ngram-min-match-window-size must be >= 1 and <= "
-     "--speculative-ngram-max-match-window-size, not 5 and 4"),
+     "--speculative-ngram-max-match-window-size, not 9 and 8"),
     (["--speculative-disable-by-batch-size", "0"], "--speculative-disable-by-batch-size must"),
     (["--speculative-algorithm", "EAGLE"], "argument --speculative-algorithm: invalid choice"),
     (["--speculative-algorithm", "STANDALONE"],
@@ -110,4 +110,9 @@ def test_the_offline_engine_gets_the_same_errors():
     with pytest.raises(ValueError, match="--speculative-num-draft-tokens must be in"):
         spec_config(ServerArgs(speculative_algorithm="NGRAM", speculative_num_draft_tokens=-1))
     assert spec_config(ServerArgs()) is None
-    assert spec_config(ServerArgs(speculative_algorithm="NGRAM")).num_draft_tokens == 4
+    ngram = spec_config(ServerArgs(speculative_algorithm="NGRAM"))
+    assert (ngram.num_draft_tokens, ngram.ngram_min, ngram.ngram_max) == (8, 1, 8)
+    standalone = ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="/m")
+    assert spec_config(standalone).num_draft_tokens == 4
+    assert spec_config(ServerArgs(speculative_algorithm="NGRAM",
+                                  speculative_num_draft_tokens=3)).num_draft_tokens == 3

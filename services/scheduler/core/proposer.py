@@ -74,26 +74,34 @@ class NgramIndex:
                     table[tuple(window[start - offset:s - 1 - offset])] = start
         self.size = len(tokens)
 
-    def lookup(self, tokens: Sequence[int], k: int) -> list[int]:
+    def lookup(self, tokens: Sequence[int], k: int, per_match: int = 0) -> list[int]:
+        """What followed the latest earlier match of the longest suffix that has one: up to k
+        tokens, and with `per_match` > 0 up to n + per_match for a suffix of n."""
         size = len(tokens)
         for n in sorted(self.starts, reverse=True):
             if n > size - 1:
                 continue
             start = self.starts[n].get(tuple(tokens[size - n:size]))
             if start is not None:
-                return list(tokens[start + n:start + n + k])
+                take = min(k, n + per_match) if per_match > 0 else k
+                return list(tokens[start + n:start + n + take])
         return []
 
 
 class NgramProposer:
     """The longest suffix of n tokens, n from `max_n` down to `min_n`, that occurred before in
-    the same token list: propose the (up to k) tokens that followed its latest earlier match."""
+    the same token list: propose the (up to k) tokens that followed its latest earlier match.
 
-    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+    With `per_match` > 0, at most n + per_match of them: a long match (a passage being copied,
+    a loop) earns many drafts, a short one (a single token seen before) few, so that a large
+    k pays where drafts are accepted and costs little verify work where they are not."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4, per_match: int = 0) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, not {min_n} and {max_n}")
         self.min_n = min_n
         self.max_n = max_n
+        self.per_match = per_match
 
     def new_state(self) -> NgramIndex:
         return NgramIndex(self.min_n, self.max_n)
@@ -104,7 +112,7 @@ class NgramProposer:
             return []
         if state is not None:  # each step adds a few entries and looks up a few n-grams
             state.update(tokens)
-            return state.lookup(tokens, k)
+            return state.lookup(tokens, k, self.per_match)
         return self._scan(tokens, k)
 
     def _scan(self, tokens: Sequence[int], k: int) -> list[int]:
@@ -115,6 +123,6 @@ class NgramProposer:
             # the latest earlier occurrence, ending before the suffix itself starts
             for start in range(size - n - 1, -1, -1):
                 if tokens[start] == suffix[0] and list(tokens[start:start + n]) == suffix:
-                    follow = tokens[start + n:start + n + k]
-                    return list(follow)
+                    take = min(k, n + self.per_match) if self.per_match > 0 else k
+                    return list(tokens[start + n:start + n + take])
         return []

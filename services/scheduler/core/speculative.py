@@ -36,14 +36,19 @@ from services.scheduler.core.request import Request, Status
 from services.scheduler.core.sampler import needs_counts
 
 ALGORITHMS = ("NGRAM", "STANDALONE")
+# k where --speculative-num-draft-tokens is unset: n-gram drafts are free to make and bounded by
+# their match (NgramProposer's per_match); a draft model's each cost a forward of it
+DEFAULT_DRAFTS = {"NGRAM": 8, "STANDALONE": 4}
 
 
 @dataclass
 class SpecConfig:
     algorithm: str = "NGRAM"
-    num_draft_tokens: int = 4  # k: drafts per request per step
-    ngram_min: int = 2
-    ngram_max: int = 4
+    num_draft_tokens: int = 8  # k: drafts per request per step
+    ngram_min: int = 1
+    ngram_max: int = 8
+    # NGRAM drafts at most n + this after a suffix of n tokens matched (0: always up to k)
+    ngram_per_match: int = 1
     # no drafts while more requests than this run: a large batch is compute-bound, and
     # verifying k drafts each costs about k decode rows' matmul work
     disable_by_batch_size: int = 8
@@ -60,6 +65,8 @@ def spec_config(args: ServerArgs) -> SpecConfig | None:
     if (error := speculative_error(args)) is not None:
         raise ValueError(error)
     k = args.speculative_num_draft_tokens
+    if k is None:  # measured on grounded12 (docs/design.md, "Speculative decoding")
+        k = DEFAULT_DRAFTS[args.speculative_algorithm]
     lo = args.speculative_ngram_min_match_window_size
     hi = args.speculative_ngram_max_match_window_size
     return SpecConfig(algorithm=args.speculative_algorithm, num_draft_tokens=k, ngram_min=lo,
@@ -96,7 +103,8 @@ class Speculator:
                  proposer: Proposer | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max)
+        self.proposer = proposer or NgramProposer(config.ngram_min, config.ngram_max,
+                                                  config.ngram_per_match)
         self.stats = SpecStats(accepted_per_pos=[0] * config.num_draft_tokens)
 
     def propose(self, running: list[Request]) -> None:
