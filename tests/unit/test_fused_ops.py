@@ -462,18 +462,20 @@ def lora_factors(k: int, shards: list[int], r: int, dtype: torch.dtype, seed: in
 
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("factor", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [[0], [3, 4, 5], [6, 1, 4]])  # one, a slice, an index
+# one row, a slice, an index, and blocks of 4 rows and a rest
+@pytest.mark.parametrize("rows", [[0], [3, 4, 5], [6, 1, 4], [6, 0, 2, 5, 1, 3, 4]])
 def test_lora_add_matches_the_low_rank_product(ops, act, factor, rows):
     """out[rows] += (x[rows] @ a) @ b: other rows untouched, the sums in float32, out rounded
     once; the columns outside cols (zero in b) are skipped without changing the result."""
-    a, b, cols = lora_factors(61, [16, 7, 9], 5, factor, seed=len(rows))
+    # 48 columns: 3 blocks of 16, a shard edge inside one; 61: odd rows of the dot products
+    a, b, cols = lora_factors(61, [16, 7, 9, 16], 5, factor, seed=len(rows))
     x = torch.randn(7, 61).to(act)
-    out = torch.randn(7, 32).to(act)
+    out = torch.randn(7, 48).to(act)
     exact = out.double().clone()
     idx = torch.tensor(rows)
     exact[idx] += (x.double()[idx] @ a.double()) @ b.double()
     index = idx if rows != [3, 4, 5] else torch.empty(0, dtype=torch.long)
-    got = ops.lora_add_(out, x, a, b, cols, index, rows[0], len(rows))
+    got = ops.lora_add_(out, x, a.T.contiguous(), b, cols, index, rows[0], len(rows))
     assert got is out
     if act == torch.float32:
         torch.testing.assert_close(out.double(), exact, rtol=1e-5, atol=1e-5)
@@ -485,8 +487,8 @@ def test_lora_add_refuses_bad_arguments(ops):
     a, b, cols = lora_factors(8, [4, 4], 2, torch.float32, seed=0)
     x, out, none = torch.randn(3, 8), torch.zeros(3, 8), torch.empty(0, dtype=torch.long)
     with pytest.raises(RuntimeError, match="cols row"):
-        ops.lora_add_(out, x, a, b, torch.full_like(cols, 9), none, 0, 1)
+        ops.lora_add_(out, x, a.T.contiguous(), b, torch.full_like(cols, 9), none, 0, 1)
     with pytest.raises(RuntimeError, match="row 3 outside"):
-        ops.lora_add_(out, x, a, b, cols, none, 2, 2)
-    with pytest.raises(RuntimeError, match=r"a \[K, R\]"):
-        ops.lora_add_(out, x, a.T.contiguous(), b, cols, none, 0, 1)
+        ops.lora_add_(out, x, a.T.contiguous(), b, cols, none, 2, 2)
+    with pytest.raises(RuntimeError, match=r"at \[R, K\]"):
+        ops.lora_add_(out, x, a, b, cols, none, 0, 1)

@@ -182,8 +182,9 @@ def _place(ab: tuple[torch.Tensor, torch.Tensor], ranges: list[tuple[int, int]],
 # A group of at most this many rows (a decode step's, for one adapter) runs through the C++
 # kernel (native ops' lora_add_): one call that reads each factor once for all its rows, on the
 # calling thread. Above it, two float32 matmuls (a prefill chunk's rows). Measured on a 2-core
-# AVX2 EPYC, one row of SmolLM2's fused qkv (576 -> 3 x 16 -> 960): 7 us against 16 us for the
-# two torch matmuls plus the Python around them; at 16 rows the matmuls win.
+# AVX2 EPYC, one thread, SmolLM2's fused qkv (576 -> 3 x 16 -> 960): 7 us against 38 us for
+# torch's gather, two matmuls and scatter at 1 row, 15 against 46 at 4; at 16 rows 65 against
+# 83, where torch's matmuls split over both cores and the kernel does not.
 KERNEL_ROWS = 8
 
 
@@ -207,22 +208,23 @@ class LoraBatch:
 
     def __init__(self, stack: Stack, groups: list[Group]) -> None:
         self.a, self.b, self.cols, self.groups = stack.a, stack.b, stack.cols, groups
+        self.at = stack.at
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         ops = fused_ops(out) if x.dim() == 2 else None
         for g in self.groups:
             a, b = self.a[g.slot], self.b[g.slot]
             if ops is not None and g.count <= KERNEL_ROWS:
-                kernel_add(ops, out, x, a, b, self.cols[g.slot], g)
+                kernel_add(ops, out, x, self.at[g.slot], b, self.cols[g.slot], g)
             else:
                 torch_add(out, x, a, b, g)
         return out
 
 
-def kernel_add(ops, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+def kernel_add(ops, out: torch.Tensor, x: torch.Tensor, at: torch.Tensor, b: torch.Tensor,
                cols: torch.Tensor, g: Group) -> None:
-    """out[g's rows] += (x[rows] @ a) @ b in the C++ kernel."""
-    ops.lora_add_(out, x, a, b, cols, g.index, g.start, g.count)
+    """out[g's rows] += (x[rows] @ at.T) @ b in the C++ kernel (at: A transposed)."""
+    ops.lora_add_(out, x, at, b, cols, g.index, g.start, g.count)
 
 
 def torch_add(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -242,6 +244,7 @@ class Stack:
     a: list[torch.Tensor]
     b: list[torch.Tensor]
     cols: list[torch.Tensor]
+    at: list[torch.Tensor]  # A transposed, [R, in] contiguous: the kernel's dot products
 
 
 def nonzero_columns(b: torch.Tensor) -> torch.Tensor:
@@ -355,7 +358,7 @@ class LoraSet:
         for target in {t for ad in adapters for t in ad.weights}:
             linear = self.linears[target]
             width = max(ad.weights[target][0].shape[1] for ad in adapters if target in ad.weights)
-            stack = Stack([], [], [])
+            stack = Stack([], [], [], [])
             for ad in adapters:
                 a = torch.zeros(linear.in_features, width, dtype=self.dtype)
                 b = torch.zeros(width, linear.out_features, dtype=self.dtype)
@@ -365,6 +368,7 @@ class LoraSet:
                     b[: wb.shape[0]] = wb
                 stack.cols.append(nonzero_columns(b))
                 stack.a.append(a.to(self.device))
+                stack.at.append(a.T.contiguous())
                 stack.b.append(b.to(self.device))
             stacks[target] = stack
         self._stacks = (active, stacks)
