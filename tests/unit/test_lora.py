@@ -263,6 +263,75 @@ def test_adapter_on_a_quantized_base_stays_float(tiny_model_dir, adapters, mode)
     assert (ours - ref).abs().max().item() < effect / 5
 
 
+def peft_delta_slots(model_dir: Path, adapter_dir: Path) -> dict[str, object]:
+    """Our Linear's name -> an adapter slot that adds PEFT's x @ A.T @ B.T * alpha / r to each
+    targeted module's columns, computed in float64 from the files themselves (the layout
+    written out here from the model's config, apart from models/lora.py's)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    scale = config["lora_alpha"] / config["r"]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    kv = cfg["num_key_value_heads"] * cfg["head_dim"]
+    inter = cfg["intermediate_size"]
+    where = {"q_proj": ("self_attn.qkv_proj", 0, q), "k_proj": ("self_attn.qkv_proj", q, q + kv),
+             "v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
+             "o_proj": ("self_attn.o_proj", 0, None), "gate_proj": ("mlp.gate_up_proj", 0, inter),
+             "up_proj": ("mlp.gate_up_proj", inter, 2 * inter),
+             "down_proj": ("mlp.down_proj", 0, None)}
+    parts: dict[str, list] = {}
+    tensors = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    for key, a in tensors.items():
+        if ".lora_A." not in key:
+            continue
+        layer = int(key.split(".layers.")[1].split(".")[0])
+        module = key.split(".lora_A.")[0].rsplit(".", 1)[1]
+        b = tensors[key.replace(".lora_A.", ".lora_B.")]
+        linear, lo, hi = where[module]
+        parts.setdefault(f"layers.{layer}.{linear}", []).append((lo, hi, a.double(), b.double()))
+
+    def slot(pieces):
+        def add(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+            for lo, hi, a, b in pieces:
+                out[:, lo:hi] += ((x.double() @ a.T @ b.T) * scale).to(out.dtype)
+            return out
+        return add
+
+    return {name: slot(pieces) for name, pieces in parts.items()}
+
+
+def test_adapter_on_an_int4_base_adds_exactly_peft_s_part(tiny_model_dir, adapters):
+    """--quantization int4: the adapter beside the int4 base (prefill rows, then a decode
+    step's through the kernel) gives the logits of the same int4 base with PEFT's own formula
+    added in float64 at every targeted module: the int4 base computes the same either way, so
+    they agree to float32's rounding, and both differ from the int4 base alone."""
+    from services.scheduler.models.linear import Linear
+
+    name, ids = "all16", PROMPTS["all16"]
+
+    def run(runner):
+        seq = Seq(ids, block_table=[0, 1, 2], lora_name=name if runner.lora else None)
+        first = runner.forward([seq], [len(ids) - 2], [len(ids) - 2])
+        seq.num_computed = len(ids) - 2
+        return torch.cat([first, runner.forward([seq], [2], [2])])
+
+    ours = ModelRunner(tiny_model_dir, max_total_tokens=512, device="cpu", dtype="float32",
+                       quantization="int4")
+    ours.enable_lora({name: adapters[name][0]}, max_rank=16, max_per_batch=1)
+    ref = ModelRunner(tiny_model_dir, max_total_tokens=512, device="cpu", dtype="float32",
+                      quantization="int4")
+    plain = run(ref)
+    slots = peft_delta_slots(tiny_model_dir, adapters[name][0])
+    linears = {n: m for n, m in ref.model.named_modules() if isinstance(m, Linear)}
+    assert linears[next(iter(slots))].quantized is not None  # the int4 base, not a float one
+    for target, add in slots.items():
+        linears[target].set_adapter(add)
+    want, got = run(ref), run(ours)
+    assert (want - plain).abs().max().item() > 1e-2  # the adapter really changes the output
+    assert (got - want).abs().max().item() < 1e-4, (got - want).abs().max().item()
+
+
 def _other_base(src: Path, dst: Path) -> Path:
     """`src` with every lora_A one input column wider: an adapter made for another model."""
     import shutil
