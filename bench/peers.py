@@ -42,6 +42,7 @@ from bench.peers_lora import (
     ADAPTERS,
     BASE,
     LoraSetup,
+    add_lora_args,
     format_lora_report,
     lora_setup,
     vllm_rank,
@@ -212,13 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenline-baseline", metavar="FLAGS",
                    help="also run ours with these flags instead of those after -- (e.g. \"\" "
                    "for none: speculation on against off, in the same rounds)")
-    p.add_argument("--lora-adapters", type=int, default=0, metavar="N",
-                   help="serve N PEFT adapters (made with peft, as `bench lora --adapters`) "
-                   "beside the base in ours and vLLM, and send the workload to the base and "
-                   "spread over them (default 0: no adapters)")
-    p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank (default 16)")
-    p.add_argument("--lora-dir", help="keep the adapters here and reuse those already made "
-                   "for this model and rank (default: a temporary directory)")
+    add_lora_args(p)
     p.add_argument("--no-tokenline", action="store_true", help="only the peers")
     p.add_argument("--json", help="write every run here")
     p.add_argument("tokenline_flags", nargs="*",

@@ -13,6 +13,7 @@ The prefix cache is flushed before each (vLLM's route for it needs VLLM_SERVER_D
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import tempfile
 from collections.abc import Iterator
@@ -26,6 +27,17 @@ VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 BASE = "base"
 ADAPTERS = "adapters"
 
+
+
+def add_lora_args(p: argparse.ArgumentParser) -> None:
+    """`bench peers`' LoRA flags."""
+    p.add_argument("--lora-adapters", type=int, default=0, metavar="N",
+                   help="serve N PEFT adapters (made with peft, as `bench lora --adapters`) "
+                   "beside the base in ours and vLLM, and send the workload to the base and "
+                   "spread over them (default 0: no adapters)")
+    p.add_argument("--lora-rank", type=int, default=16, help="the adapters' rank (default 16)")
+    p.add_argument("--lora-dir", help="keep the adapters here and reuse those already made "
+                   "for this model and rank (default: a temporary directory)")
 
 def vllm_rank(rank: int) -> int:
     """The least rank vLLM's --max-lora-rank accepts that holds adapters of rank `rank`."""
