@@ -97,9 +97,12 @@ async def _wait_running(http, url, timeout=30.0) -> None:
 async def test_unstreamed_client_that_leaves_is_aborted(stack):
     """The client leaves while its request generates (not before the gateway took it: on a
     loaded machine a fixed 1.5 s could end before the request was read, with nothing to
-    abort)."""
+    abort). It starts from an idle stack: a request of an earlier test still running (or a
+    heartbeat that still says so) would pass for this one's, and the client could leave before
+    the gateway read its request."""
     async with aiohttp.ClientSession() as http:
-        before = metric(await _metrics(http, stack.url), "tokenline:num_requests_aborted_total")
+        idle = await _wait_idle(http, stack.url)
+        before = metric(idle, "tokenline:num_requests_aborted_total")
         body = {"prompt": "never read", "max_tokens": 3000, "ignore_eos": True}
 
         async def wait_for_the_answer() -> None:
