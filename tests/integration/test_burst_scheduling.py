@@ -138,3 +138,73 @@ def test_sjf_keeps_a_retracted_request_at_the_front():
     batch = sched.schedule()
     assert [r.rid for r in batch.reqs] == ["resumed", "short"]
     assert batch.num_new == [40, 24]
+
+
+def _shared_prefix_burst(n: int, prefix_len: int, seed: int = 1) -> list[TokenizedReq]:
+    rng = random.Random(seed)
+    doc = [rng.randrange(1000, 40000) for _ in range(prefix_len)]
+    return [TokenizedReq(rid=f"q{i}", gateway_id="g",
+                         input_ids=doc + [rng.randrange(1000, 40000)
+                                          for _ in range(rng.randint(10, 40))],
+                         params=SamplingParams(max_new_tokens=4, temperature=0.0,
+                                               ignore_eos=True))
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["sjf", "fcfs"])
+def test_a_burst_sharing_a_prefix_computes_the_prefix_once(tiny_model_dir, policy):
+    """Twelve requests at once behind one 300-token document: one of them computes the
+    document, the others wait for its blocks instead of computing them beside it, and then
+    all of them run together, although the pool could not hold twelve unshared copies."""
+    page, prefix = 16, 300
+    engine = EngineCore(engine_args(tiny_model_dir, schedule_policy=policy, page_size=page,
+                                    max_prefill_tokens=512, chunked_prefill_size=128,
+                                    max_total_tokens=100 * page))  # 12 unshared need ~250 blocks
+    reqs = _shared_prefix_burst(12, prefix)
+    shared = prefix // page  # full blocks of the document; the partial one differs per request
+    for r in reqs:
+        engine.submit(r)
+    pool = engine.pool
+    computed = most_running = steps = 0
+    while engine.has_work():
+        steps += 1
+        assert steps < 200, "no progress"
+        engine.step()
+        computed += engine.last_step.num_prefill_tokens
+        most_running = max(most_running, len(engine.scheduler.running))
+    engine.scheduler.check_integrity()
+    prompts = sum(len(r.input_ids) for r in reqs)
+    # a decode row is 1 token and not counted: each prompt's last token may be one
+    once = prompts - (len(reqs) - 1) * shared * page
+    assert once - len(reqs) <= computed <= once
+    assert engine.scheduler.prefix_hits_total == (len(reqs) - 1) * shared * page
+    tails = sum(-(-(len(r.input_ids) + 4) // page) - shared for r in reqs)
+    assert pool.num_allocated_total <= shared + tails
+    assert most_running == len(reqs)
+
+
+def test_only_a_request_starting_on_a_block_in_flight_waits_for_it():
+    """b's first block to compute is one a is computing: b waits, keeping its place, and starts
+    from a's cached blocks. c wants its prompt's logprobs (a cached prefix has no logits, it
+    computes its prompt anyway) and d shares nothing: both start at once."""
+    pool = BlockPool(num_blocks=64, page_size=4)
+    sched = Scheduler(SchedulerConfig(max_prefill_tokens=64, chunked_prefill_size=16,
+                                      schedule_policy="fcfs"), pool)
+    doc = list(range(100, 124))  # 6 blocks of 4
+    a, b, c, d = (Request(rid=rid, prompt_ids=ids, params=SamplingParams(
+                      max_new_tokens=2, prompt_logprobs=0 if rid == "c" else None))
+                  for rid, ids in (("a", doc + [1]), ("b", doc + [2]), ("c", doc + [3]),
+                                   ("d", list(range(500, 525)))))
+    for r in (a, b, c, d):
+        sched.add(r)
+    batch = sched.schedule()
+    assert [r.rid for r in batch.reqs] == ["a", "c", "d"]
+    assert [r.rid for r in sched.waiting] == ["b"]
+    sched.advance(batch)  # a computed 16 of its 25 tokens: 4 blocks cached, 2 still to come
+    batch = sched.schedule()
+    assert "b" not in [r.rid for r in batch.reqs]  # its next block is still a's to compute
+    sched.advance(batch)  # a's prompt is computed: b starts from its 6 blocks
+    batch = sched.schedule()
+    assert dict(zip([r.rid for r in batch.reqs], batch.num_new, strict=True))["b"] == 1
+    assert b.num_cached == 24
+    sched.check_integrity()

@@ -34,6 +34,7 @@ class BlockPool:
         # None: nobody listens, keep nothing.
         self.events: list[KvEvent] | None = None
         self.num_evictions_total = 0  # cached blocks handed out again, their prefix forgotten
+        self.num_allocated_total = 0  # blocks handed out: a prefix computed twice shows here
 
     # -- counts -------------------------------------------------------------------------------
     @property
@@ -71,6 +72,7 @@ class BlockPool:
                 self.num_evictions_total += 1
             self.ref_cnt[block] = 1
             out.append(block)
+        self.num_allocated_total += n
         return out
 
     def release(self, blocks: Sequence[int]) -> None:

@@ -162,32 +162,74 @@ class Scheduler:
         limit = self.config.max_running_requests
         static = self.config.batching != "continuous"
         self._order_waiting()
+        in_flight = self._blocks_in_flight()
+        riders: list[Request] = []  # wait for a running prefill's blocks, keep their place
         while self.waiting and len(self.running) < limit and (prefill_budget > 0 or static):
-            req = self.waiting[0]
+            req = self.waiting.popleft()
             if not self._fits(req):
                 if self.running:
+                    self.waiting.appendleft(req)
                     break
-                self.waiting.popleft()
                 self._fail(req, batch, self._too_big_message(req))
                 continue
-            if not self._headroom_ok(req) or not self._adapter_fits(req):
+            hits = self._cached_prefix(req)
+            if self._rides_on(req, hits, in_flight):
+                riders.append(req)
+                continue
+            if not self._headroom_ok(req, hits) or not self._adapter_fits(req):
+                self.waiting.appendleft(req)
                 break  # the head waits, and so does everyone behind it: no starvation
-            self.waiting.popleft()
-            self._match_prefix(req)
-            req.status = Status.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            self.running.append(req)
-            n = min(req.num_to_compute, self._chunk_size(req), prefill_budget)
-            if n <= 0:
-                continue  # static batching: admitted now, prefilled in later steps
-            need = self._blocks_needed(req, n)
-            if need > self.pool.num_evictable:
-                continue  # admitted; its prefill waits for blocks in a later step
-            req.block_table += self.pool.allocate(need)
-            prefill_budget -= n
-            batch.reqs.append(req)
-            batch.num_new.append(n)
+            prefill_budget -= self._start(req, batch, prefill_budget)
+            in_flight.update(self._prompt_blocks_to_compute(req))
+        self.waiting.extendleft(reversed(riders))
+
+    def _start(self, req: Request, batch: ScheduledBatch, prefill_budget: int) -> int:
+        """Admit `req` (its cached prefix taken) with its first chunk if blocks allow; the
+        prompt tokens it computes this step."""
+        self._match_prefix(req)
+        req.status = Status.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
+        n = min(req.num_to_compute, self._chunk_size(req), prefill_budget)
+        if n <= 0:
+            return 0  # static batching: admitted now, prefilled in later steps
+        need = self._blocks_needed(req, n)
+        if need > self.pool.num_evictable:
+            return 0  # admitted; its prefill waits for blocks in a later step
+        req.block_table += self.pool.allocate(need)
+        batch.reqs.append(req)
+        batch.num_new.append(n)
+        return n
+
+    # -- prompts sharing a prefix with a running prefill -----------------------------------------
+    def _blocks_in_flight(self) -> set[bytes]:
+        """Hashes of the prompt blocks running requests have yet to compute: each becomes a
+        cached block within a few steps."""
+        if not self.pool.enable_prefix_cache:
+            return set()
+        pending: set[bytes] = set()
+        for r in self.running:
+            pending.update(self._prompt_blocks_to_compute(r))
+        return pending
+
+    def _prompt_blocks_to_compute(self, req: Request) -> list[bytes]:
+        if not self.pool.enable_prefix_cache:
+            return []
+        first, end = req.num_computed // self.page_size, len(req.prompt_ids) // self.page_size
+        if first >= end:
+            return []
+        self._extend_hashes(req, end)
+        return req.block_hashes[first:end]
+
+    def _rides_on(self, req: Request, hits: list[int], in_flight: set[bytes]) -> bool:
+        """The first block this request would compute is one a running prefill computes right
+        now: wait for it to be cached rather than compute the same prefix again beside it (a
+        burst sharing a document prefills the document once, then every question)."""
+        if not in_flight or req.collects_prompt_logprobs:
+            return False
+        hashes = self._hashes(req)
+        return len(hits) < len(hashes) and hashes[len(hits)] in in_flight
 
     def _adapter_fits(self, req: Request) -> bool:
         """Every running request computes each step, so the running requests' distinct LoRA
@@ -234,13 +276,15 @@ class Scheduler:
         """Could this request ever fit: its tokens so far plus one more in the whole pool?"""
         return self._num_blocks(req.num_tokens + 1) <= self.pool.num_blocks
 
-    def _headroom_ok(self, req: Request) -> bool:
+    def _headroom_ok(self, req: Request, hits: list[int]) -> bool:
         """Admit only if the blocks running requests will still need (their remaining output
-        scaled by the new-token ratio) plus this request's leave the pool non-negative."""
+        scaled by the new-token ratio) plus this request's leave the pool non-negative. Its
+        cached prefix `hits` costs nothing where running requests hold those blocks already."""
         if not self.running:
             return True
+        shared = sum(1 for b in hits if self.pool.ref_cnt[b] > 0)
         want = sum(self._future_blocks(r) for r in self.running) + self._future_blocks(req)
-        return want <= self.pool.num_evictable
+        return want - shared <= self.pool.num_evictable
 
     def _future_blocks(self, req: Request) -> int:
         limit = req.params.max_new_tokens
@@ -271,17 +315,24 @@ class Scheduler:
         extend_block_hashes(req.block_hashes, req.tokens, self.page_size, num_blocks,
                             req.cache_salt, req.lora_name)
 
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks a waiting request would start from (no references taken). A
+        cached prefix has no logits: a request that wants its prompt's logprobs computes it
+        all (its blocks are still registered for the others)."""
+        if req.num_computed or req.block_table or not self.pool.enable_prefix_cache:
+            return []
+        if req.collects_prompt_logprobs:
+            return []
+        return self.pool.match_prefix(self._hashes(req))
+
     def _match_prefix(self, req: Request) -> None:
         if req.num_computed or req.block_table:
             return
         first_time = req.num_retractions == 0
-        # A cached prefix has no logits: a request that wants its prompt's logprobs computes
-        # it all (its blocks are still registered for the others).
-        if self.pool.enable_prefix_cache and not req.collects_prompt_logprobs:
-            hits = self.pool.match_prefix(self._hashes(req))
-            self.pool.acquire(hits)
-            req.block_table = list(hits)
-            req.num_computed = len(hits) * self.page_size
+        hits = self._cached_prefix(req)
+        self.pool.acquire(hits)
+        req.block_table = list(hits)
+        req.num_computed = len(hits) * self.page_size
         if first_time:
             req.num_cached = min(req.num_computed, len(req.prompt_ids))
             self.prefix_queries_total += len(req.prompt_ids)
