@@ -18,6 +18,11 @@
   does). A chat's turns go one after another, the chats at once (`bench.serve` chains the
   requests of one `conversation`). The longest prompt is 2,048 + 6 x 300 + 5 x 128 = 4,488.
 
+Each server warms up (its first forwards allocate) on `cold_warmup`'s request, which shares
+no prefix with the workload: warming up on the workload's own first request would put
+shared-doc's document (or multiturn-long's system prompt) in the prefix cache before the
+burst, and the burst would measure a warm cache.
+
 SmolLM2-135M's context is 8,192 tokens; every request's prompt + max_tokens stays under it.
 Prompts are token ids from [1000, 40000), as in `bench/workloads/make_workloads.py`; send them
 with ignore_eos (bench peers does) so that each request generates its max_tokens.
@@ -97,6 +102,13 @@ def multiturn_long(seed: int = 0, chats: int = 8, turns: int = 6, system_len: in
         requests += conversation_requests(
             system, [(user, _ids(rng, answer_len)) for user in users], chat)
     return requests
+
+
+def cold_warmup(requests: list[SampleRequest]) -> SampleRequest:
+    """The first request's prompt reversed, as long and asking as many tokens, and so sharing
+    no KV block with any request of these workloads (their prompts are random)."""
+    first = requests[0]
+    return SampleRequest(list(reversed(first.prompt)), first.prompt_len, first.max_tokens)
 
 
 WORKLOADS: dict[str, Callable[[int], list[SampleRequest]]] = {

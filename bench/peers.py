@@ -56,6 +56,7 @@ from bench.peers_lora import (
     vllm_rank,
 )
 from bench.peers_suite import (
+    Workload,
     context_limits,
     dtype_of,
     format_suite_table,
@@ -92,11 +93,13 @@ class Run:
         return self.useful_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def serve_workload(url: str, requests: list[SampleRequest],
-                   max_concurrency: int | None = None) -> dict[str, Any]:
-    """One warm-up request, then every request (at once, or `max_concurrency` at a time)
-    through bench.serve (greedy, EOS ignored). Fails unless every request completed."""
-    asyncio.run(run_benchmark(url, requests[:1], ignore_eos=True))  # first forwards allocate
+def serve_workload(url: str, requests: list[SampleRequest], max_concurrency: int | None = None,
+                   warmup: SampleRequest | None = None) -> dict[str, Any]:
+    """One warm-up request (`warmup`, else the first), then every request (at once, or
+    `max_concurrency` at a time) through bench.serve (greedy, EOS ignored). Fails unless every
+    request completed."""
+    first = [warmup] if warmup else requests[:1]
+    asyncio.run(run_benchmark(url, first, ignore_eos=True))  # first forwards allocate
     return run_workload(url, requests, max_concurrency)
 
 
@@ -129,9 +132,9 @@ def _run(system: str, out: dict[str, Any], requests: list[SampleRequest]) -> Run
 
 
 def measure(system: str, server: ServerProcess, requests: list[SampleRequest],
-            max_concurrency: int | None = None) -> Run:
+            max_concurrency: int | None = None, warmup: SampleRequest | None = None) -> Run:
     with server:
-        out = serve_workload(server.url, requests, max_concurrency)
+        out = serve_workload(server.url, requests, max_concurrency, warmup)
     return _run(system, out, requests)
 
 
@@ -313,7 +316,7 @@ def _header(args: argparse.Namespace, workload: str, requests: list, model: Path
             if args.lora_adapters else "")
     chats = len({r.conversation for r in requests} - {None})
     if chats:
-        sent += f"; {chats} chats, a chat's turns one after another"
+        sent += f"; {chats} chat{'s' * (chats > 1)}, a chat's turns one after another"
     return (f"workload {workload}: {len(requests)} requests, "
             f"{sum(r.prompt_len for r in requests)} prompt + "
             f"{sum(r.max_tokens for r in requests)} output tokens (greedy, EOS ignored, {sent}); "
@@ -355,7 +358,7 @@ def _our_systems(args: argparse.Namespace, model: Path) -> list[System]:
 
 
 def _rounds(args: argparse.Namespace, systems: list[System], requests: list[SampleRequest],
-            lora: LoraSetup | None) -> list[Run] | None:
+            lora: LoraSetup | None, warmup: SampleRequest | None = None) -> list[Run] | None:
     """Every system once a round, each on a fresh server; None (said why) if one failed."""
     runs: list[Run] = []
     for round_ in range(args.rounds):
@@ -363,7 +366,8 @@ def _rounds(args: argparse.Namespace, systems: list[System], requests: list[Samp
             try:
                 new = (measure_lora(system, make(lora), requests, lora.names,
                                     args.max_concurrency, reverse=round_ % 2 == 1) if lora
-                       else [measure(system, make(None), requests, args.max_concurrency)])
+                       else [measure(system, make(None), requests, args.max_concurrency,
+                                     warmup)])
             except (RuntimeError, TimeoutError, OSError) as exc:  # a server that won't serve
                 print(f"error: {system}: {exc}", file=sys.stderr)
                 return None
@@ -386,7 +390,7 @@ def _check_workload_args(args: argparse.Namespace, parser: argparse.ArgumentPars
 
 
 def _workloads(args: argparse.Namespace, parser: argparse.ArgumentParser,
-               model: Path) -> list[tuple[str, list[SampleRequest]]]:
+               model: Path) -> list[Workload]:
     """Each workload to run, its text prompts tokenized, refused if a request is too long."""
     try:
         workloads = load_workloads(args.workload, args.suite, args.seed, args.num_prompts)
@@ -396,7 +400,7 @@ def _workloads(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if problems:
         parser.error("; ".join(problems))
     warn_llama_slots(args, workloads)
-    for _, requests in workloads:
+    for _, requests, _ in workloads:
         _tokenize_text_prompts(requests, model)  # both servers then see the same tokens
     return workloads
 
@@ -422,11 +426,11 @@ def main(argv: list[str] | None = None) -> int:
     workloads = _workloads(args, parser, model)
     systems = _our_systems(args, model) + peer_systems
     results = []
-    for name, requests in workloads:
+    for name, requests, warmup in workloads:
         header = _header(args, name, requests, model)
         print(header, flush=True)
         with lora_setup(model, args.lora_adapters, args.lora_rank, args.lora_dir) as lora:
-            runs = _rounds(args, systems, requests, lora)
+            runs = _rounds(args, systems, requests, lora, warmup)
         if runs is None:
             return 1
         print(format_lora_report(runs, header, OURS) if args.lora_adapters

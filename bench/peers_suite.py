@@ -21,31 +21,38 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from bench.datasets import SampleRequest, load_jsonl
-from bench.long_workloads import WORKLOADS, suite_workloads
+from bench.long_workloads import WORKLOADS, cold_warmup, suite_workloads
 
 DEFAULT_WORKLOAD = Path(__file__).parent / "workloads" / "mixed64.jsonl"
 TABLE_HEAD = ("| workload | dtype | peer | peer tok/s (rounds) | ours tok/s (rounds) "
               "| ours/peer (rounds) | TTFT p50 peer / ours |")
 
 
+class Workload(NamedTuple):
+    label: str
+    requests: list[SampleRequest]
+    warmup: SampleRequest | None  # None: the first request warms the server up
+
+
 def load_workloads(workload: str | None, suite: str | None, seed: int,
-                   num_prompts: int | None) -> list[tuple[str, list[SampleRequest]]]:
-    """(name, requests) of each workload to run: the suite's, or the one `workload` names (a
-    generated workload or a JSONL file; mixed64.jsonl when none)."""
+                   num_prompts: int | None) -> list[Workload]:
+    """Each workload to run: the suite's, or the one `workload` names (a generated workload,
+    warmed up on a request that shares no prefix with it, or a JSONL file; mixed64.jsonl when
+    none)."""
     names = suite_workloads(suite) if suite else [workload or str(DEFAULT_WORKLOAD)]
     out = []
     for name in names:
         if name in WORKLOADS:
             requests = WORKLOADS[name](seed)[:num_prompts]
-            label = f"{name} (seed {seed})"
+            label, warmup = f"{name} (seed {seed})", cold_warmup(requests) if requests else None
         else:
-            requests, label = load_jsonl(name, num_prompts), Path(name).name
+            requests, label, warmup = load_jsonl(name, num_prompts), Path(name).name, None
         if not requests:
             raise ValueError(f"{name}: no requests")
-        out.append((label, requests))
+        out.append(Workload(label, requests, warmup))
     return out
 
 
@@ -73,11 +80,11 @@ def context_limits(args: argparse.Namespace) -> dict[str, int]:
     return limits
 
 
-def too_long(workloads: list[tuple[str, list[SampleRequest]]],
+def too_long(workloads: list[Workload],
              limits: dict[str, int]) -> list[str]:
     """What does not fit: a line per workload and server whose longest request exceeds it."""
     problems = []
-    for name, requests in workloads:
+    for name, requests, _ in workloads:
         longest = max(r.prompt_len + r.max_tokens for r in requests)
         problems += [f"{name}: a request of {longest} tokens (prompt + max_tokens) exceeds "
                      f"{server} {limit}" for server, limit in limits.items() if longest > limit]
@@ -85,14 +92,14 @@ def too_long(workloads: list[tuple[str, list[SampleRequest]]],
 
 
 def warn_llama_slots(args: argparse.Namespace,
-                     workloads: list[tuple[str, list[SampleRequest]]]) -> None:
+                     workloads: list[Workload]) -> None:
     """llama-server gives each of its -np slots -c / np tokens of context (unless its KV is
     unified): say so when a request is longer than that, rather than fail the run for it."""
     slots = [int(s) for s in args.slots.split(",") if s.strip()]
     if args.peer != "llama-server" or not slots:
         return
     per_slot = args.ctx // max(slots)
-    for name, requests in workloads:
+    for name, requests, _ in workloads:
         longest = max(r.prompt_len + r.max_tokens for r in requests)
         if longest > per_slot:
             print(f"warning: {name}: a request of {longest} tokens exceeds llama-server's "

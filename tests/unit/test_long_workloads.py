@@ -14,6 +14,7 @@ from bench.long_workloads import (
     TOKEN_HIGH,
     TOKEN_LOW,
     WORKLOADS,
+    cold_warmup,
     multiturn_long,
     shared_doc,
     suite_workloads,
@@ -88,6 +89,15 @@ def test_multiturn_long_re_sends_each_chats_history_behind_one_system_prompt() -
     assert max(r.prompt_len for r in requests) <= 2048 + 6 * 300 + 5 * 128
 
 
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_the_warm_up_shares_no_kv_block_with_the_workload(name) -> None:
+    """Else shared-doc's document would be cached before the burst that should compute it."""
+    [(_, requests, warmup)] = load_workloads(name, None, 0, None)
+    assert warmup == cold_warmup(requests)
+    assert warmup.prompt_len == len(warmup.prompt) == requests[0].prompt_len
+    assert all(_common_prefix(warmup.prompt, r.prompt) < PAGE for r in requests)
+
+
 def test_a_suite_is_a_name_or_a_list_of_workloads() -> None:
     assert suite_workloads("long") == SUITES["long"] == list(WORKLOADS)
     assert suite_workloads("shared-doc, long-4k") == ["shared-doc", "long-4k"]
@@ -98,15 +108,15 @@ def test_a_suite_is_a_name_or_a_list_of_workloads() -> None:
 def test_the_cli_takes_a_workload_name_or_a_suite() -> None:
     args = peers.build_parser().parse_args(["--peer", "none", "--workload", "shared-doc",
                                             "--num-prompts", "4", "--seed", "3"])
-    [(label, requests)] = load_workloads(args.workload, args.suite, args.seed,
-                                         args.num_prompts)
+    [(label, requests, _)] = load_workloads(args.workload, args.suite, args.seed,
+                                            args.num_prompts)
     assert label == "shared-doc (seed 3)" and len(requests) == 4
     assert [r.prompt for r in requests] == [r.prompt for r in shared_doc(3)[:4]]
     args = peers.build_parser().parse_args(["--suite", "long", "--rounds", "3"])
     loaded = load_workloads(args.workload, args.suite, args.seed, args.num_prompts)
-    assert [label.split()[0] for label, _ in loaded] == list(WORKLOADS)
-    [(label, _)] = load_workloads(None, None, 0, 2)  # neither: the fixed mixed64.jsonl
-    assert label == "mixed64.jsonl"
+    assert [w.label.split()[0] for w in loaded] == list(WORKLOADS)
+    [(label, _, warmup)] = load_workloads(None, None, 0, 2)  # neither: the fixed mixed64.jsonl
+    assert label == "mixed64.jsonl" and warmup is None  # its first request warms up, as ever
 
 
 def test_suite_and_workload_together_are_refused(capsys) -> None:
