@@ -308,8 +308,9 @@ def _tokenize_text_prompts(requests: list[SampleRequest], model: Path) -> None:
 
 
 def _header(args: argparse.Namespace, workload: str, requests: list, model: Path) -> str:
-    peer_setup = (f"vLLM {args.threads} bound cores, {args.vllm_kv_space} GiB KV"
-                  if args.peer == "vllm" else f"llama-server -t {args.threads} -c {args.ctx}")
+    peer_setup = {"vllm": f"; vLLM {args.threads} bound cores, {args.vllm_kv_space} GiB KV",
+                  "llama-server": f"; llama-server -t {args.threads} -c {args.ctx}"}.get(
+                      args.peer, "")
     sent = (f"{args.max_concurrency} at a time" if args.max_concurrency else "all sent at once")
     lora = (f"; to the base and spread over {args.lora_adapters} rank-{args.lora_rank} PEFT "
             f"adapters (request i to adapter i % {args.lora_adapters}), on one server"
@@ -320,7 +321,7 @@ def _header(args: argparse.Namespace, workload: str, requests: list, model: Path
     return (f"workload {workload}: {len(requests)} requests, "
             f"{sum(r.prompt_len for r in requests)} prompt + "
             f"{sum(r.max_tokens for r in requests)} output tokens (greedy, EOS ignored, {sent}); "
-            f"model {model.name}; {os.cpu_count()} cores; {peer_setup}{lora}")
+            f"model {model.name}; {os.cpu_count()} cores{peer_setup}{lora}")
 
 
 def _check_lora_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
