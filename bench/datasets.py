@@ -108,15 +108,24 @@ def load_conversations(path: str | Path, num_conversations: int | None = None,
         if system is None or not row.get("turns"):
             raise ValueError(f"{where}: expected the system prompt line first, then lines "
                              "with turns")
-        history = list(system)
-        for turn in row["turns"]:
-            prompt = history + turn["user_token_ids"]
-            answer = turn["answer_token_ids"]
-            requests.append(SampleRequest(prompt, len(prompt), len(answer), conversations))
-            history = prompt + answer
+        turns = [(t["user_token_ids"], t["answer_token_ids"]) for t in row["turns"]]
+        requests += conversation_requests(system, turns, conversations)
         conversations += 1
         if num_conversations is not None and conversations >= num_conversations:
             break
+    return requests
+
+
+def conversation_requests(system: list[int], turns: list[tuple[list[int], list[int]]],
+                          conversation: int) -> list[SampleRequest]:
+    """One conversation's requests: turn t's prompt is system + (user, answer) of every
+    earlier turn + its own user part, and it asks for len(answer) tokens."""
+    requests = []
+    history = list(system)
+    for user, answer in turns:
+        prompt = history + list(user)
+        requests.append(SampleRequest(prompt, len(prompt), len(answer), conversation))
+        history = prompt + list(answer)
     return requests
 
 

@@ -1,5 +1,5 @@
 """`tokenline bench peers`: our whole stack against llama.cpp's `llama-server` or vLLM's CPU
-build, one workload, one run, the same load generator for every server.
+build, one workload (or a suite of them) per run, the same load generator for every server.
 
 Each server is started fresh for each pass on the same model (ours dequantizes the GGUF to
 float32; llama-server runs the GGUF's own 4-bit weights; vLLM serves the same dequantized
@@ -12,6 +12,13 @@ credited for what it skipped, and the report says how many requests came back sh
     tokenline bench peers --slots 1,8,32 --rounds 2 --json peers.json
     tokenline bench peers --peer vllm --vllm /opt/vllm/bin/vllm --dtype bfloat16 --rounds 3
     tokenline bench peers --peer vllm --lora-adapters 4 --lora-rank 16 --rounds 3
+    tokenline bench peers --peer vllm --workload shared-doc --rounds 3
+    tokenline bench peers --peer vllm --suite long --rounds 3 --json long.json
+
+`--workload` takes a JSONL file or the name of a workload generated from `--seed`
+(`bench.long_workloads`: shared-doc, long-2k, long-4k, long-7k, long-mixed, multiturn-long);
+`--suite long` runs all of those in one invocation, each as a whole pass of its own, and ends
+with one table of ours against each peer per workload.
 
 With `--lora-adapters N` every server serves N PEFT adapters beside the base, and each pass
 sends the workload to the base and spread over the adapters (`bench.peers_lora`).
@@ -36,7 +43,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.datasets import SampleRequest, load_jsonl
+from bench.datasets import SampleRequest
+from bench.long_workloads import SUITES, WORKLOADS
 from bench.lora import flush_cache, spread
 from bench.peers_lora import (
     ADAPTERS,
@@ -46,6 +54,16 @@ from bench.peers_lora import (
     format_lora_report,
     lora_setup,
     vllm_rank,
+)
+from bench.peers_suite import (
+    Workload,
+    context_limits,
+    dtype_of,
+    format_suite_table,
+    load_workloads,
+    suite_json,
+    too_long,
+    warn_llama_slots,
 )
 from bench.serve import run_benchmark
 from bench.servers import (
@@ -57,7 +75,6 @@ from bench.servers import (
     find_vllm,
 )
 
-DEFAULT_WORKLOAD = Path(__file__).parent / "workloads" / "mixed64.jsonl"
 OURS = "tokenline serve"
 
 
@@ -76,11 +93,13 @@ class Run:
         return self.useful_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def serve_workload(url: str, requests: list[SampleRequest],
-                   max_concurrency: int | None = None) -> dict[str, Any]:
-    """One warm-up request, then every request (at once, or `max_concurrency` at a time)
-    through bench.serve (greedy, EOS ignored). Fails unless every request completed."""
-    asyncio.run(run_benchmark(url, requests[:1], ignore_eos=True))  # first forwards allocate
+def serve_workload(url: str, requests: list[SampleRequest], max_concurrency: int | None = None,
+                   warmup: SampleRequest | None = None) -> dict[str, Any]:
+    """One warm-up request (`warmup`, else the first), then every request (at once, or
+    `max_concurrency` at a time) through bench.serve (greedy, EOS ignored). Fails unless every
+    request completed."""
+    first = [warmup] if warmup else requests[:1]
+    asyncio.run(run_benchmark(url, first, ignore_eos=True))  # first forwards allocate
     return run_workload(url, requests, max_concurrency)
 
 
@@ -113,9 +132,9 @@ def _run(system: str, out: dict[str, Any], requests: list[SampleRequest]) -> Run
 
 
 def measure(system: str, server: ServerProcess, requests: list[SampleRequest],
-            max_concurrency: int | None = None) -> Run:
+            max_concurrency: int | None = None, warmup: SampleRequest | None = None) -> Run:
     with server:
-        out = serve_workload(server.url, requests, max_concurrency)
+        out = serve_workload(server.url, requests, max_concurrency, warmup)
     return _run(system, out, requests)
 
 
@@ -174,13 +193,23 @@ def format_report(runs: list[Run], header: str) -> str:
     return "\n".join(lines)
 
 
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload",
+                   help="a named workload (" + ", ".join(WORKLOADS) + ", generated from "
+                   "--seed) or a JSONL with prompt_token_ids (or a text prompt, tokenized here "
+                   "with the model's tokenizer, so that both servers see the same tokens) and "
+                   "max_tokens per line (default: bench/workloads/mixed64.jsonl)")
+    p.add_argument("--suite", help="run several named workloads one after another and end with "
+                   "one ratio table: " + ", ".join(SUITES) + " (all of them), or a "
+                   "comma-separated list of names")
+    p.add_argument("--seed", type=int, default=0, help="seed of the named workloads")
+    p.add_argument("--num-prompts", type=int, help="only the first N requests (of each "
+                   "workload)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tokenline bench peers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
-                   help="JSONL with prompt_token_ids (or a text prompt, tokenized here with "
-                   "the model's tokenizer, so that both servers see the same tokens) and "
-                   "max_tokens per line")
-    p.add_argument("--num-prompts", type=int, help="only the first N requests")
+    _add_workload_args(p)
     p.add_argument("--model", help="GGUF file for every server (default: SmolLM2's); with "
                    "--peer vllm also a transformers directory")
     p.add_argument("--peer", choices=("llama-server", "vllm", "none"), default="llama-server",
@@ -278,17 +307,21 @@ def _tokenize_text_prompts(requests: list[SampleRequest], model: Path) -> None:
             r.prompt_len = len(r.prompt)
 
 
-def _header(args: argparse.Namespace, requests: list, model: Path) -> str:
-    peer_setup = (f"vLLM {args.threads} bound cores, {args.vllm_kv_space} GiB KV"
-                  if args.peer == "vllm" else f"llama-server -t {args.threads} -c {args.ctx}")
+def _header(args: argparse.Namespace, workload: str, requests: list, model: Path) -> str:
+    peer_setup = {"vllm": f"; vLLM {args.threads} bound cores, {args.vllm_kv_space} GiB KV",
+                  "llama-server": f"; llama-server -t {args.threads} -c {args.ctx}"}.get(
+                      args.peer, "")
     sent = (f"{args.max_concurrency} at a time" if args.max_concurrency else "all sent at once")
     lora = (f"; to the base and spread over {args.lora_adapters} rank-{args.lora_rank} PEFT "
             f"adapters (request i to adapter i % {args.lora_adapters}), on one server"
             if args.lora_adapters else "")
-    return (f"workload {Path(args.workload).name}: {len(requests)} requests, "
+    chats = len({r.conversation for r in requests} - {None})
+    if chats:
+        sent += f"; {chats} chat{'s' * (chats > 1)}, a chat's turns one after another"
+    return (f"workload {workload}: {len(requests)} requests, "
             f"{sum(r.prompt_len for r in requests)} prompt + "
             f"{sum(r.max_tokens for r in requests)} output tokens (greedy, EOS ignored, {sent}); "
-            f"model {model.name}; {os.cpu_count()} cores; {peer_setup}{lora}")
+            f"model {model.name}; {os.cpu_count()} cores{peer_setup}{lora}")
 
 
 def _check_lora_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -326,7 +359,7 @@ def _our_systems(args: argparse.Namespace, model: Path) -> list[System]:
 
 
 def _rounds(args: argparse.Namespace, systems: list[System], requests: list[SampleRequest],
-            lora: LoraSetup | None) -> list[Run] | None:
+            lora: LoraSetup | None, warmup: SampleRequest | None = None) -> list[Run] | None:
     """Every system once a round, each on a fresh server; None (said why) if one failed."""
     runs: list[Run] = []
     for round_ in range(args.rounds):
@@ -334,7 +367,8 @@ def _rounds(args: argparse.Namespace, systems: list[System], requests: list[Samp
             try:
                 new = (measure_lora(system, make(lora), requests, lora.names,
                                     args.max_concurrency, reverse=round_ % 2 == 1) if lora
-                       else [measure(system, make(None), requests, args.max_concurrency)])
+                       else [measure(system, make(None), requests, args.max_concurrency,
+                                     warmup)])
             except (RuntimeError, TimeoutError, OSError) as exc:  # a server that won't serve
                 print(f"error: {system}: {exc}", file=sys.stderr)
                 return None
@@ -347,11 +381,39 @@ def _rounds(args: argparse.Namespace, systems: list[System], requests: list[Samp
     return runs
 
 
+def _check_workload_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    if args.suite and args.workload:
+        parser.error("--suite or --workload, not both")
+    if args.suite and args.lora_adapters:
+        parser.error("--suite runs without --lora-adapters (one workload at a time with them)")
+
+
+def _workloads(args: argparse.Namespace, parser: argparse.ArgumentParser,
+               model: Path) -> list[Workload]:
+    """Each workload to run, its text prompts tokenized, refused if a request is too long."""
+    try:
+        workloads = load_workloads(args.workload, args.suite, args.seed, args.num_prompts)
+    except (FileNotFoundError, ValueError) as exc:
+        parser.error(str(exc))
+    problems = too_long(workloads, context_limits(args))
+    if problems:
+        parser.error("; ".join(problems))
+    warn_llama_slots(args, workloads)
+    for _, requests, _ in workloads:
+        _tokenize_text_prompts(requests, model)  # both servers then see the same tokens
+    return workloads
+
+
+def _json_runs(runs: list[Run]) -> list[dict[str, Any]]:
+    return [{**asdict(r), "tokens_per_s": r.tokens_per_s} for r in runs]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
+    _check_workload_args(args, parser)
     _check_lora_args(args, parser)
     from common.modelstore import default_model_path
 
@@ -360,27 +422,38 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--model: {model} does not exist")
     try:
         peer_systems = _peer_systems(args, parser, model)
-        requests = load_jsonl(args.workload, args.num_prompts)
     except (FileNotFoundError, ValueError) as exc:
         parser.error(str(exc))
-    if not requests:
-        parser.error(f"{args.workload}: no requests")
-    _tokenize_text_prompts(requests, model)  # both servers then see the same tokens
-
-    header = _header(args, requests, model)
-    print(header, flush=True)
+    workloads = _workloads(args, parser, model)
     systems = _our_systems(args, model) + peer_systems
-    with lora_setup(model, args.lora_adapters, args.lora_rank, args.lora_dir) as lora:
-        runs = _rounds(args, systems, requests, lora)
-    if runs is None:
-        return 1
-    print(format_lora_report(runs, header, OURS) if args.lora_adapters
-          else format_report(runs, header))
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"header": header, "runs": [{**asdict(r), "tokens_per_s": r.tokens_per_s}
-                                        for r in runs]}, indent=1))
+    results = []
+    for name, requests, warmup in workloads:
+        header = _header(args, name, requests, model)
+        print(header, flush=True)
+        with lora_setup(model, args.lora_adapters, args.lora_rank, args.lora_dir) as lora:
+            runs = _rounds(args, systems, requests, lora, warmup)
+        if runs is None:
+            return 1
+        print(format_lora_report(runs, header, OURS) if args.lora_adapters
+              else format_report(runs, header), flush=True)
+        results.append((name, header, runs))
+    _suite_report(args, results)
     return 0
+
+
+def _suite_report(args: argparse.Namespace, results: list[tuple[str, str, list[Run]]]) -> None:
+    """With --suite, the table of every workload; --json: the runs (and the table)."""
+    table = format_suite_table([(n, runs) for n, _, runs in results], dtype_of(args), OURS)
+    if args.suite:
+        print("\n" + table)
+    if not args.json:
+        return
+    if args.suite:
+        out = suite_json([(n, h, _json_runs(runs)) for n, h, runs in results], table)
+    else:
+        (name, header, runs), = results
+        out = {"workload": name, "header": header, "runs": _json_runs(runs)}
+    Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

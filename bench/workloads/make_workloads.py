@@ -22,6 +22,10 @@ vocabulary, so no tokenizer is needed and every run sends the very same tokens. 
 with ignore_eos (`tokenline bench serve --ignore-eos`) so each request generates exactly
 its max_tokens and runs are comparable. The first line of each file is a `#` comment with
 its totals; `bench.datasets.load_jsonl` skips it.
+
+The long-context and shared-document workloads (shared-doc, long-2k, long-4k, long-7k,
+long-mixed, multiturn-long) are not files: `bench/long_workloads.py` generates them from a seed
+when `tokenline bench peers --workload NAME` (or `--suite long`) asks for them.
 """
 
 from __future__ import annotations

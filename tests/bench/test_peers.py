@@ -337,3 +337,35 @@ def test_lora_is_refused_for_llama_server(fake_binary, gguf, capsys) -> None:
                     "--lora-adapters", "2"])
     assert exc.value.code == 2
     assert "not PEFT's" in capsys.readouterr().err
+
+
+def test_a_suite_runs_each_workload_on_fresh_servers_and_ends_with_the_table(
+        fake_binary, tmp_path, gguf, monkeypatch, capsys) -> None:
+    """--suite: every workload a whole pass (ours and the peer alternating, a fresh server
+    each), then one table row per workload; a chat's turns go one after another."""
+    starts: list[str] = []
+
+    def fake_ours(*flags: str) -> ServerProcess:
+        starts.append("ours")
+        port = free_port()
+        return ServerProcess([str(fake_binary), "-m", "ours", "--port", str(port), "-np", "8"],
+                             port, log_prefix="fake-ours")
+
+    monkeypatch.setattr(peers, "TokenlineServer", fake_ours)
+    out_json = tmp_path / "peers.json"
+    rc = peers.main(["--llama-server", str(fake_binary), "--slots", "4", "--rounds", "2",
+                     "--suite", "shared-doc,multiturn-long", "--num-prompts", "3",
+                     "--model", str(gguf), "--json", str(out_json)])
+    assert rc == 0
+    assert starts == ["ours"] * 4  # two workloads, two rounds
+    out = json.loads(out_json.read_text())
+    assert [w["workload"] for w in out["workloads"]] == ["shared-doc (seed 0)",
+                                                         "multiturn-long (seed 0)"]
+    for w in out["workloads"]:
+        assert [(r["system"], r["extra"]["round"]) for r in w["runs"]] == [
+            ("tokenline serve", 0), ("llama-server -np 4", 0),
+            ("tokenline serve", 1), ("llama-server -np 4", 1)]
+    rows = out["table"].splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in rows] == ["shared-doc (seed 0)",
+                                                           "multiturn-long (seed 0)"]
+    assert out["table"] in capsys.readouterr().out
