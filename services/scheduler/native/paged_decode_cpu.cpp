@@ -332,14 +332,14 @@ inline __m256 live8(int n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), iota));
 }
 
-// The G query heads of one KV head, q widened to float32 (read from L1 as FMA operands: 16
-// registers would not hold them).
+// The G query heads of one KV head, q widened to float32. A tile's rows are scored 8 at a time
+// for one head: 8 independent sums (the FMA's latency covered) and Q of the head's q vectors
+// in registers, each key vector an FMA's memory operand; bfloat16 keys are widened into a
+// float32 copy of the tile first, once, not once per head.
 template <typename T, int D, int G>
 struct Heads2 {
   static_assert(D % 16 == 0, "head sizes are multiples of 16");
-  static constexpr int C = D / 8;
-  // rows scored at once: enough independent sums to cover the FMA's latency (G of them a row)
-  static constexpr int R = G == 1 ? 4 : G <= 4 ? 2 : 1;
+  static constexpr int C = D / 8, Q = C % 4 == 0 ? 4 : 2;  // Q divides C (D = 80: 10)
   alignas(32) float q[G][D];
 
   void load(const T* src, int64_t head_stride) {
@@ -347,39 +347,43 @@ struct Heads2 {
       for (int d = 0; d < D; ++d) q[g][d] = widen(src[g * head_stride + d]);
   }
 
-  // parts[g][j % 8] = the 8 partial sums of q_g . k_j, for rows j .. j + M - 1
-  template <int M>
-  inline void rows(const T* __restrict k, const int64_t* off, int j, __m256 (&parts)[G][8],
-                   Ahead& pf) const {
-    __m256 a[M][G];
-    for (int r = 0; r < M; ++r) {
-      pf.step();
-      for (int g = 0; g < G; ++g) a[r][g] = _mm256_setzero_ps();
-    }
-    for (int c = 0; c < C; ++c)
-      for (int r = 0; r < M; ++r) {
-        const __m256 kv = load8(k + off[j + r] + c * 8);
-        for (int g = 0; g < G; ++g)
-          a[r][g] = _mm256_fmadd_ps(_mm256_load_ps(q[g] + c * 8), kv, a[r][g]);
+  // s[g * ld + j0 + r] = scale * q_g . row[r] for r < m (rows m..7 repeat a live one)
+  void eight(const float* const (&row)[8], int j0, int m, float scale, float* s,
+             int64_t ld) const {
+    for (int g = 0; g < G; ++g) {
+      __m256 a[8];
+      for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
+      for (int c0 = 0; c0 < C; c0 += Q) {
+        __m256 qv[Q];
+        for (int c = 0; c < Q; ++c) qv[c] = _mm256_load_ps(q[g] + (c0 + c) * 8);
+        for (int r = 0; r < 8; ++r)
+          for (int c = 0; c < Q; ++c)
+            a[r] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(row[r] + (c0 + c) * 8), a[r]);
       }
-    for (int r = 0; r < M; ++r)
-      for (int g = 0; g < G; ++g) parts[g][(j + r) % 8] = a[r][g];
+      // (a masked store: memcpy's rep movs costs more than the 8 sums)
+      _mm256_maskstore_ps(s + g * ld + j0, _mm256_castps_si256(live8(m)),
+                          _mm256_mul_ps(sum_lanes8(a), _mm256_set1_ps(scale)));
+    }
   }
 
   void scores(const T* __restrict k, const int64_t* off, int n, float scale, float* s,
               int64_t ld, Ahead& pf) const {
+    constexpr bool wide = std::is_same<T, float>::value;
+    alignas(32) float kf[wide ? 1 : kTile][D];  // bf16: the tile's keys in float32
+    for (int j = 0; j < n; ++j) {
+      pf.step();
+      if constexpr (!wide)
+        for (int c = 0; c < C; ++c) _mm256_store_ps(kf[j] + c * 8, load8(k + off[j] + c * 8));
+    }
     for (int j0 = 0; j0 < n; j0 += 8) {
       const int m = std::min(8, n - j0);
-      __m256 parts[G][8];
-      int j = j0;
-      for (; j + R <= j0 + m; j += R) rows<R>(k, off, j, parts, pf);
-      for (; j < j0 + m; ++j) rows<1>(k, off, j, parts, pf);
-      for (int g = 0; g < G; ++g) {
-        for (int r = m; r < 8; ++r) parts[g][r] = _mm256_setzero_ps();
-        alignas(32) float sums[8];
-        _mm256_store_ps(sums, _mm256_mul_ps(sum_lanes8(parts[g]), _mm256_set1_ps(scale)));
-        std::memcpy(s + g * ld + j0, sums, m * sizeof(float));
+      const float* row[8];
+      for (int r = 0; r < 8; ++r) {
+        const int j = j0 + std::min(r, m - 1);
+        if constexpr (wide) row[r] = reinterpret_cast<const float*>(k + off[j]);
+        else row[r] = kf[j];
       }
+      eight(row, j0, m, scale, s, ld);
     }
   }
 };
@@ -389,11 +393,12 @@ struct Heads<float, D, G> : Heads2<float, D, G> {};
 template <int D, int G>
 struct Heads<uint16_t, D, G> : Heads2<uint16_t, D, G> {};
 
-// The largest divisor of V (vectors of a row) with G of it at most 12 accumulators.
+// The largest divisor h of V (vectors of a row) whose G * h sums, G weights and a value fit
+// the 16 registers.
 constexpr int chunk_vectors(int V, int G) {
   int h = 1;
   for (int d = 1; d <= V; ++d)
-    if (V % d == 0 && G * d <= 12) h = d;
+    if (V % d == 0 && G * d + G + 1 <= 16) h = d;
   return h;
 }
 
@@ -412,10 +417,11 @@ struct Values2 {
                                   _mm256_set1_ps(shrink[g]));
       for (int j = 0; j < n; ++j) {
         if (c0 == 0) pf.step();
+        __m256 wj[G];
+        for (int g = 0; g < G; ++g) wj[g] = _mm256_broadcast_ss(w + g * ld + j);
         for (int c = 0; c < H; ++c) {
           const __m256 x = load8(v + off[j] + (c0 + c) * 8);
-          for (int g = 0; g < G; ++g)
-            a[g][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(w + g * ld + j), x, a[g][c]);
+          for (int g = 0; g < G; ++g) a[g][c] = _mm256_fmadd_ps(wj[g], x, a[g][c]);
         }
       }
       for (int g = 0; g < G; ++g)
