@@ -8,11 +8,14 @@ TorchBackend's decode-only step calls it. The blocks lie one after another per r
 (`--layout contiguous`, as step_profile lays them out and a fresh burst's prompts get them) or
 shuffled over the pool (`--layout shuffled`, as a long-running server's decode blocks end up);
 `--layout hot` points every request at the same few blocks, which then stay in L2: the kernel's
-compute alone, with no memory traffic to wait for.
+compute alone, with no memory traffic to wait for. `--contexts 4096,7168 --batch 1,4,16` times
+long contexts instead: `--batch` requests at each context, as many layers (up to 30) as make
+the step's K and V at least 256 MB, far past L3.
 
 Beside the kernel it times a plain streaming read of the same number of bytes (a torch sum over
 both threads, over one contiguous tensor as large as a step's K and V): what this machine's
-memory gives right now, the bound the kernel is measured against. With --against REV the same
+memory gives right now, the bound the kernel is measured against; each kernel's ratio to it
+is the median of its rounds' ratios (`this/read`). With --against REV the same
 source at that git revision is built as a second extension and the two alternate, round by
 round, in this process (the machine may be shared: compare columns of one run). With --steps
 (and --against) it also times whole decode64 steps of the real SmolLM2 through
@@ -172,7 +175,8 @@ def time_step(kernels: dict[str, object], step: Step, rounds: int) -> str:
         med = statistics.median(times)
         cells.append(f"{name} {med:.2f} ({min(times):.2f}) {step.bytes / med / 1e6:.1f} GB/s")
     for name in kernels:
-        ratio = statistics.median(k / r for k, r in zip(results[name], results["read"]))
+        pairs = zip(results[name], results["read"], strict=True)
+        ratio = statistics.median(k / r for k, r in pairs)
         cells.append(f"{name}/read {ratio:.2f}x")
     return " | ".join(cells)
 
