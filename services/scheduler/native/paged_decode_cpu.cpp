@@ -32,8 +32,9 @@
 // caches and out all bf16; scores, softmax and sums float32): with AVX512-BF16 the q.k dots
 // are _mm512_dpbf16_ps (bf16 pairs multiplied exactly, summed in float32) and each value row
 // is widened to float32 by a 16-bit shift for the FMA into float32 sums; the result is rounded
-// to bf16 once, to nearest even. Elsewhere (AVX2, or AVX512 without BF16) a portable path does
-// the same arithmetic in scalar code the compiler vectorizes.
+// to bf16 once, to nearest even. AVX512 without BF16 runs bf16 through the portable loops. With
+// AVX2 + FMA and no AVX-512 (TOKENLINE_AVX2) 8-lane intrinsics do the same arithmetic; without
+// AVX2 a portable path does it in scalar code the compiler vectorizes. isa() names the path.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
