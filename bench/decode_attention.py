@@ -8,11 +8,14 @@ TorchBackend's decode-only step calls it. The blocks lie one after another per r
 (`--layout contiguous`, as step_profile lays them out and a fresh burst's prompts get them) or
 shuffled over the pool (`--layout shuffled`, as a long-running server's decode blocks end up);
 `--layout hot` points every request at the same few blocks, which then stay in L2: the kernel's
-compute alone, with no memory traffic to wait for.
+compute alone, with no memory traffic to wait for. `--contexts 4096,7168 --batch 1,4,16` times
+long contexts instead: `--batch` requests at each context, as many layers (up to 30) as make
+the step's K and V at least 256 MB, far past L3.
 
 Beside the kernel it times a plain streaming read of the same number of bytes (a torch sum over
 both threads, over one contiguous tensor as large as a step's K and V): what this machine's
-memory gives right now, the bound the kernel is measured against. With --against REV the same
+memory gives right now, the bound the kernel is measured against; each kernel's ratio to it
+is the median of its rounds' ratios (`this/read`). With --against REV the same
 source at that git revision is built as a second extension and the two alternate, round by
 round, in this process (the machine may be shared: compare columns of one run). With --steps
 (and --against) it also times whole decode64 steps of the real SmolLM2 through
@@ -41,15 +44,16 @@ from services.scheduler.native import LOCAL_INCLUDE, Extension  # noqa: E402
 
 HQ, HKV, D, PAGE, LAYERS = 9, 3, 64, 16, 30
 CONTEXTS = [128 + (256 * b) // 63 for b in range(64)]  # step_profile's decode64
+LONG_BYTES = 256 * 10**6  # --contexts: a step's K and V at least this (8x a 32 MiB L3)
 
 
 class Step:
     """Tables, lengths, q/k/v rows and `layers` pairs of caches for one decode step."""
 
     def __init__(self, dtype: torch.dtype, layout: str, layers: int = LAYERS,
-                 seed: int = 0) -> None:
+                 seed: int = 0, contexts: list[int] | None = None) -> None:
         gen = torch.Generator().manual_seed(seed)
-        lens = [c + 1 for c in CONTEXTS]
+        lens = [c + 1 for c in contexts or CONTEXTS]
         need = [-(-n // PAGE) for n in lens]
         blocks = sum(need) + 64  # a little slack, as a pool has
         order = torch.randperm(blocks, generator=gen).tolist() if layout == "shuffled" else list(
@@ -139,15 +143,57 @@ def whole_steps(kernels: dict[str, object], dtype: str, rounds: int, repeats: in
                        f"{statistics.median(attention[name]):.2f}" for name in kernels))
 
 
-def main(argv: list[str] | None = None) -> int:
+def cases(args: argparse.Namespace, dtype: torch.dtype) -> list[tuple[str, list[int], int]]:
+    """(label, contexts, layers) of each step to time: decode64 unless --contexts; then each
+    context at each --batch, with as many layers (up to the model's 30) as make the caches
+    LONG_BYTES, far more than L3 holds, unless --layers says."""
+    if not args.contexts:
+        return [("", CONTEXTS, args.layers or LAYERS)]
+    size = torch.empty(0, dtype=dtype).element_size()
+    out = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        for batch in (int(b) for b in args.batch.split(",")):
+            per_layer = batch * (context + 1) * HKV * D * 2 * size
+            layers = args.layers or max(1, min(LAYERS, -(-LONG_BYTES // per_layer)))
+            out.append((f"{context} x {batch:<2} ", [context] * batch, layers))
+    return out
+
+
+def time_step(kernels: dict[str, object], step: Step, rounds: int) -> str:
+    """The kernels and a plain read of the same bytes, alternating round by round: each one's
+    median (best) ms and GB/s, and each kernel's median ratio to the read of its own round."""
+    stream = torch.empty(step.bytes // 4, dtype=torch.float32).normal_()
+    results: dict[str, list[float]] = {name: [] for name in [*kernels, "read"]}
+    for module in kernels.values():  # warm-up: page faults, OpenMP start
+        step.run(module)
+    for _ in range(rounds):
+        for name, module in kernels.items():
+            results[name].append(_time(lambda m=module, s=step: s.run(m)))
+        results["read"].append(_time(stream.sum))
+    cells = []
+    for name, times in results.items():
+        med = statistics.median(times)
+        cells.append(f"{name} {med:.2f} ({min(times):.2f}) {step.bytes / med / 1e6:.1f} GB/s")
+    for name in kernels:
+        pairs = zip(results[name], results["read"], strict=True)
+        ratio = statistics.median(k / r for k, r in pairs)
+        cells.append(f"{name}/read {ratio:.2f}x")
+    return " | ".join(cells)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32,bfloat16",
                         help="comma-separated: float32, bfloat16")
     parser.add_argument("--layout", default="contiguous,shuffled",
                         help="comma-separated: contiguous, shuffled, hot")
+    parser.add_argument("--contexts", help="comma-separated contexts (e.g. 4096,7168): "
+                        "--batch requests at each instead of decode64's 64 short ones")
+    parser.add_argument("--batch", default="1,4,16", help="with --contexts: comma-separated")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
-    parser.add_argument("--layers", type=int, default=LAYERS, help="calls (layers) per step")
+    parser.add_argument("--layers", type=int, help=f"calls (layers) per step (default "
+                        f"{LAYERS}; with --contexts enough for {LONG_BYTES // 10**6} MB)")
     parser.add_argument("--steps", action="store_true",
                         help="also whole decode64 steps of SmolLM2, per --dtype, each kernel")
     parser.add_argument("--step-rounds", type=int, default=5)
@@ -157,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="rounds of the kernel alone (default --rounds; 0: skip them)")
     parser.add_argument("--against", metavar="REV",
                         help="also time the kernel's source at this git revision, alternating")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     kernels = {"this": native.DECODE.module()}
@@ -165,27 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.against:
         kernels[args.against] = build_at(args.against)
     print(f"threads {torch.get_num_threads()}, {args.rounds} rounds, median (best) ms per "
-          f"step of {args.layers} calls")
+          f"step (one call per layer)")
     for dtype_name in args.dtype.split(","):
         dtype = getattr(torch, dtype_name)
         for layout in args.layout.split(",") if args.kernel_rounds != 0 else []:
-            step = Step(dtype, layout, args.layers)
-            stream = torch.empty(step.bytes // 4, dtype=torch.float32).normal_()
-            results = {name: [] for name in [*kernels, "stream"]}
-            for module in kernels.values():  # warm-up: page faults, OpenMP start
-                step.run(module)
-            for _ in range(args.kernel_rounds or args.rounds):
-                for name, module in kernels.items():
-                    results[name].append(_time(lambda m=module, s=step: s.run(m)))
-                results["stream"].append(_time(stream.sum))
-            del stream
-            cells = []
-            for name, times in results.items():
-                med = statistics.median(times)
-                gbs = step.bytes / med / 1e6
-                cells.append(f"{name} {med:.2f} ({min(times):.2f}) {gbs:.1f} GB/s")
-            mb = step.bytes / 1e6
-            print(f"{dtype_name:8} {layout:10} {mb:.0f} MB: " + " | ".join(cells))
+            for label, contexts, layers in cases(args, dtype):
+                step = Step(dtype, layout, layers, contexts=contexts)
+                cells = time_step(kernels, step, args.kernel_rounds or args.rounds)
+                print(f"{dtype_name:8} {layout:10} {label}{layers:2} layers "
+                      f"{step.bytes / 1e6:.0f} MB: {cells}", flush=True)
+                del step
         if args.steps:
             whole_steps(kernels, dtype_name, args.step_rounds, args.step_repeats)
     return 0

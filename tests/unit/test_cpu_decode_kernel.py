@@ -168,6 +168,17 @@ def test_bf16_kernel_uses_avx512_bf16_where_the_cpu_has_it(kernels):
     assert kernels.fast_bf16() == {"avx512_bf16", "avx512bw", "avx512vl"}.issubset(flags)
 
 
+def test_kernel_names_the_vector_path_this_cpu_builds(kernels):
+    """What the start-up log's decode_attention_isa says: the path -march=native picked."""
+    flags = cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to check against")
+    want = ("avx512_bf16" if {"avx512_bf16", "avx512bw", "avx512vl"}.issubset(flags)
+            else "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"}.issubset(flags)
+            else "portable")
+    assert kernels.isa() == want
+
+
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
                     reason="-mno-avx512f (the AVX2 build) is an x86 compiler flag")
 def test_portable_bf16_kernel_matches_too(kernels, monkeypatch):

@@ -248,3 +248,29 @@ def test_model_runner_prefills_through_the_kernel(kernels, smol_path, dtype, mon
     monkeypatch.setenv("TOKENLINE_SDPA_PROMPTS_FROM", "1")
     with pytest.raises(ValueError, match="off or an integer >= 2"):
         ModelRunner(smol_path, max_total_tokens=256, device="cpu", dtype=dtype)
+
+
+# Long contexts, SmolLM2's heads (9 query over 3 KV heads of 64, page 16): extends after
+# prefixes of 4,001 and 4,097 tokens (ending mid-page), decodes at 4,100 and 4,133 (the decode
+# kernel's pieces of one request split over the cores and merged) and a short one beside them
+LONG_SPANS = [(4001, 99), (4099, 1), (4097, 3), (0, 1), (4132, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_and_extend_at_4k_context_match_float64(kernels, dtype):
+    """Both kernels over more than 4k cached tokens, against float64 from the same (rounded)
+    values: float32 to 1e-5, bfloat16 as check_bf16 allows (the output's and probabilities'
+    bf16 rounding), and no further from the exact answer than torch's own path."""
+    *tensors, meta = random_step(LONG_SPANS, 16, 9, 3, 64, seed=4100)
+    q, k, v, k_cache, v_cache = (t.to(dtype) for t in tensors)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    backend = native_backend()
+    got = backend.forward(q, k, v, k_cache, v_cache, meta, 0.125, None)
+    assert backend._plan.decode_rows == [1, 3, 4]  # the decode kernel's; the rest the prefill's
+    exact = reference(q, k_cache, v_cache, meta, 0.125, None)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+        return
+    torch_says = TorchBackend().forward(q, k, v, ref_k, ref_v, meta, 0.125, None)
+    torch.testing.assert_close(got.double(), exact, atol=5e-3, rtol=2**-8)
+    assert (got.double() - exact).abs().max() <= (torch_says.double() - exact).abs().max() + 2**-8

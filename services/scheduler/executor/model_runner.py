@@ -244,11 +244,15 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
         self.kv_bytes = slots * self.kv_bytes_per_token
+        # the C++ decode kernel's vector path (avx512_bf16, avx512, avx2 or portable): what
+        # -march=native built for this CPU
+        isa = cpu_kernels().isa() if self.attention_kernel == "native" else None
         log.info(f"KV cache: {slots} tokens in {self.num_blocks} blocks of {self.page_size} "
                  f"tokens, {self.kv_bytes / GiB:.2f} GiB", device=str(self.device),
                  dtype=str(self.dtype), linear_dtype=str(self.linear_dtype),
                  backend=self.backend.name, linear=self.linear_backend,
-                 decode_attention=self.attention_kernel, prefill_attention=self.prefill_kernel)
+                 decode_attention=self.attention_kernel, decode_attention_isa=isa,
+                 prefill_attention=self.prefill_kernel)
 
     def _quantize(self, mode: str, gguf_path: Path | None) -> quant.QuantSummary | None:
         """Quantize the loaded model's weights (`mode` int8 or int4), reading a GGUF's own int4
