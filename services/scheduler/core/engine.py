@@ -161,6 +161,8 @@ class EngineCore:
         if batch.retracted:
             log.warning(f"KV cache pool is full. Retracted {len(batch.retracted)} requests",
                         rids=[r.rid for r in batch.retracted])
+            for req in batch.retracted if self.spec is not None else ():
+                self.spec.release(req)  # a draft model's KV too: it recomputes it with the rest
         if batch.reqs:
             self._run(batch, outputs)
         elif batch.retracted:  # nothing ran, but who was retracted is news all the same

@@ -58,13 +58,13 @@ class SpecConfig:
 def spec_config(args: ServerArgs) -> SpecConfig | None:
     """The flags' speculative settings, or None when speculation is off; a bad combination is
     a ValueError naming the flag (the service's start-up error)."""
+    if (error := speculative_error(args)) is not None:  # a draft's flag without its algorithm
+        raise ValueError(error)
     if args.speculative_algorithm is None:
         return None
     if args.speculative_algorithm not in ALGORITHMS:
         raise ValueError(f"--speculative-algorithm {args.speculative_algorithm}: choose from "
                          + ", ".join(ALGORITHMS))
-    if (error := speculative_error(args)) is not None:
-        raise ValueError(error)
     k = args.speculative_num_draft_tokens
     if k is None:  # measured on grounded12 (docs/design.md, "Speculative decoding")
         k = DEFAULT_DRAFTS[args.speculative_algorithm]
