@@ -103,15 +103,20 @@ class ServerArgs:
     # speculative decoding (SGLang's names)
     speculative_algorithm: str | None = _flag(
         None, "speculative decoding: NGRAM (prompt lookup: drafts copied from the request's own "
-        "prompt and output, no extra model) or STANDALONE (a smaller draft model with the "
-        "same vocabulary, --speculative-draft-model-path); unset: off",
-        choices=["NGRAM", "STANDALONE"])
+        "prompt and output, no extra model), STANDALONE (a smaller draft model with the "
+        "same vocabulary, --speculative-draft-model-path) or SELF (ours, not SGLang's: the "
+        "target's own first --speculative-draft-layers layers and its head, no extra "
+        "weights); unset: off",
+        choices=["NGRAM", "STANDALONE", "SELF"])
     speculative_draft_model_path: str | None = _flag(
         None, "STANDALONE: the draft model, a transformers directory or GGUF file")
+    speculative_draft_layers: int | None = _flag(
+        None, "SELF: how many of the target's first layers draft (>= 1, fewer than the "
+        "model has); required for SELF")
     speculative_num_draft_tokens: int | None = _flag(
         None, "draft tokens proposed per request per step, verified in one forward; unset: 8 "
         "for NGRAM (which drafts at most n + 1 after a suffix of n tokens matched), 4 for "
-        "STANDALONE")
+        "STANDALONE and SELF")
     speculative_ngram_min_match_window_size: int = _flag(
         1, "NGRAM: shortest suffix of the tokens so far that is looked up earlier in them")
     speculative_ngram_max_match_window_size: int = _flag(
@@ -284,6 +289,8 @@ def speculative_error(args: ServerArgs) -> str | None:
     if draft and args.speculative_algorithm != "STANDALONE":
         return ("--speculative-draft-model-path is for --speculative-algorithm STANDALONE, not "
                 f"{args.speculative_algorithm or 'no speculation'}")
+    if (error := _draft_layers_error(args)) is not None:
+        return error
     if not 1 <= lo <= hi:
         return ("--speculative-ngram-min-match-window-size must be >= 1 and <= "
                 f"--speculative-ngram-max-match-window-size, not {lo} and {hi}")
@@ -292,6 +299,20 @@ def speculative_error(args: ServerArgs) -> str | None:
     if args.speculative_disable_by_batch_size < 1:
         return ("--speculative-disable-by-batch-size must be >= 1, not "
                 f"{args.speculative_disable_by_batch_size}")
+    return None
+
+
+def _draft_layers_error(args: ServerArgs) -> str | None:
+    """--speculative-draft-layers goes with SELF, and SELF with it (its upper bound, the
+    model's layer count, is checked where the model is loaded)."""
+    layers = args.speculative_draft_layers
+    if args.speculative_algorithm == "SELF" and layers is None:
+        return "--speculative-algorithm SELF needs --speculative-draft-layers"
+    if layers is not None and args.speculative_algorithm != "SELF":
+        return ("--speculative-draft-layers is for --speculative-algorithm SELF, not "
+                f"{args.speculative_algorithm or 'no speculation'}")
+    if layers is not None and layers < 1:
+        return f"--speculative-draft-layers must be >= 1, not {layers}"
     return None
 
 

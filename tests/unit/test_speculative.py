@@ -98,6 +98,12 @@ def test_the_grammar_cuts_drafts_it_forbids_and_its_end(smol_path):
      "--speculative-algorithm STANDALONE needs --speculative-draft-model-path"),
     (["--speculative-draft-model-path", "/m"],
      "--speculative-draft-model-path is for --speculative-algorithm STANDALONE, not NGRAM"),
+    (["--speculative-algorithm", "SELF"],
+     "--speculative-algorithm SELF needs --speculative-draft-layers"),
+    (["--speculative-draft-layers", "20"],
+     "--speculative-draft-layers is for --speculative-algorithm SELF, not NGRAM"),
+    (["--speculative-algorithm", "SELF", "--speculative-draft-layers", "0"],
+     "--speculative-draft-layers must be >= 1, not 0"),
 ])
 def test_bad_speculative_flags_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -114,5 +120,13 @@ def test_the_offline_engine_gets_the_same_errors():
     assert (ngram.num_draft_tokens, ngram.ngram_min, ngram.ngram_max) == (8, 1, 8)
     standalone = ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="/m")
     assert spec_config(standalone).num_draft_tokens == 4
+    self_draft = spec_config(ServerArgs(speculative_algorithm="SELF", speculative_draft_layers=20))
+    assert (self_draft.num_draft_tokens, self_draft.draft_layers) == (4, 20)
+    with pytest.raises(ValueError, match="--speculative-algorithm SELF needs "
+                       "--speculative-draft-layers"):
+        spec_config(ServerArgs(speculative_algorithm="SELF"))
+    with pytest.raises(ValueError, match="--speculative-draft-layers is for "
+                       "--speculative-algorithm SELF, not no speculation"):
+        spec_config(ServerArgs(speculative_draft_layers=3))
     assert spec_config(ServerArgs(speculative_algorithm="NGRAM",
                                   speculative_num_draft_tokens=3)).num_draft_tokens == 3

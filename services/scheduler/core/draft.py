@@ -1,9 +1,15 @@
-"""A draft model for speculative decoding (SGLang's STANDALONE, vLLM's draft_model).
+"""A draft model for speculative decoding: SGLang's STANDALONE (vLLM's draft_model), and our
+SELF, the target's own first L layers.
 
-A second, smaller model with the target's vocabulary proposes each decoding request's next k
-tokens greedily (deterministic drafts: verification stays exact, `speculative.py`). It keeps
-its own paged KV: a pool of its own blocks, one `DraftSeq` per request (on the request, as its
-proposer state), released when the request ends.
+A second, smaller model with the target's vocabulary (STANDALONE), or the target itself run
+through its first `--speculative-draft-layers` layers, then its final norm and lm_head (SELF:
+the same module objects, no weights of its own; `ModelRunner.first_layers`), proposes each
+decoding request's next k tokens greedily (deterministic drafts: verification stays exact,
+`speculative.py`). It keeps its own paged KV: a pool of its own blocks, one `DraftSeq` per
+request (on the request, as its proposer state), released when the request ends. SELF's KV of
+the first L layers for accepted tokens equals the target's; a cache of its own is simpler
+than sharing the target's blocks (whose rejected slots the draft would overwrite), and costs
+L / num_layers of the target's KV bytes.
 
 Each step, for the requests that draft:
 
@@ -44,7 +50,7 @@ class DraftSeq:
     draft_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
-    lora_name: str | None = None  # the draft model runs without adapters
+    lora_name: str | None = None  # STANDALONE runs without adapters; SELF under the request's
 
 
 class DraftModelProposer:
@@ -106,7 +112,9 @@ class DraftModelProposer:
 
     def _seq(self, req: Request) -> DraftSeq:
         if req.proposer_state is None:
-            req.proposer_state = DraftSeq(req.prompt_ids, req.output_ids)
+            # a runner with LoRA is the target's own layers: the request's adapter applies
+            lora = req.lora_name if self.runner.lora is not None else None
+            req.proposer_state = DraftSeq(req.prompt_ids, req.output_ids, lora_name=lora)
         return req.proposer_state
 
     def _reserve(self, seq: DraftSeq, tokens: int) -> bool:
@@ -154,6 +162,10 @@ class _Step:
     def block_table(self) -> list[int]:
         return self.seq.block_table
 
+    @property
+    def lora_name(self) -> str | None:
+        return self.seq.lora_name
+
 
 def draft_proposer(args: ServerArgs, target: ModelRunner, target_tokenizer: Path,
                    max_model_len: int) -> DraftModelProposer:
@@ -169,6 +181,17 @@ def draft_proposer(args: ServerArgs, target: ModelRunner, target_tokenizer: Path
         gguf_path=gguf_source(args.speculative_draft_model_path))
     log.info(f"draft model {path.name}: {runner.num_parameters / 1e6:.0f}M parameters, "
              f"its own KV cache of {runner.kv_bytes / (1 << 30):.2f} GiB")
+    return DraftModelProposer(runner, target.vocab_size)
+
+
+def self_draft_proposer(args: ServerArgs, target: ModelRunner) -> DraftModelProposer:
+    """SELF: the target's first --speculative-draft-layers layers as its draft, with a KV pool
+    of the target's token count for those layers (its bytes on top: the start-up log says)."""
+    runner = target.first_layers(args.speculative_draft_layers,
+                                 target.num_blocks * target.page_size)
+    log.info(f"self-speculative draft: the target's first {runner.num_layers} of "
+             f"{target.num_layers} layers and its head, its own KV cache of "
+             f"{runner.kv_bytes / (1 << 30):.2f} GiB")
     return DraftModelProposer(runner, target.vocab_size)
 
 

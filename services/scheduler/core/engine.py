@@ -22,7 +22,7 @@ from common.incremental import IncrementalText
 from common.logging import get_logger
 from common.messages import AbortReq, Finish, KvEvent, LogprobOut, TokenizedReq, TokenOut
 from common.modelstore import gguf_source, model_info, prepare_model
-from services.scheduler.core.draft import draft_proposer
+from services.scheduler.core.draft import draft_proposer, self_draft_proposer
 from services.scheduler.core.grammar import GrammarCompiler, GrammarError, XGrammarBackend
 from services.scheduler.core.kv_pool import BlockPool
 from services.scheduler.core.lora_admin import LoraAdmin, LoraReply
@@ -79,16 +79,7 @@ class EngineCore:
         self.pool = BlockPool(self.runner.num_blocks, args.page_size, not args.disable_prefix_cache)
         self.loras.forget_cached = self.pool.forget
         self.scheduler = Scheduler(scheduler_config(args, self.max_model_len), self.pool)
-        spec = spec_config(args)
-        self.spec = None
-        if spec is not None:
-            draft = draft_proposer(args, self.runner, self.info.tokenizer_json,
-                                   self.max_model_len) if spec.algorithm == "STANDALONE" else None
-            self.spec = Speculator(spec, self.max_model_len, draft)
-        if self.spec is not None:
-            log.info(f"speculative decoding: {spec.algorithm}, {spec.num_draft_tokens} draft "
-                     f"tokens a step, off above {spec.disable_by_batch_size} running requests",
-                     **self.spec.info())
+        self.spec = self._speculator(args)
         self.eos_ids = set(self.info.eos_token_ids)
         self.grammars = GrammarCompiler(
             XGrammarBackend(self.info.tokenizer_json, self.runner.vocab_size,
@@ -106,6 +97,23 @@ class EngineCore:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.last_step = StepStats()
+
+    def _speculator(self, args: ServerArgs) -> Speculator | None:
+        """The flags' speculative decoding with its proposer (None: off)."""
+        spec = spec_config(args)
+        if spec is None:
+            return None
+        draft = None
+        if spec.algorithm == "STANDALONE":
+            draft = draft_proposer(args, self.runner, self.info.tokenizer_json,
+                                   self.max_model_len)
+        elif spec.algorithm == "SELF":
+            draft = self_draft_proposer(args, self.runner)
+        speculator = Speculator(spec, self.max_model_len, draft)
+        log.info(f"speculative decoding: {spec.algorithm}, {spec.num_draft_tokens} draft "
+                 f"tokens a step, off above {spec.disable_by_batch_size} running requests",
+                 **speculator.info())
+        return speculator
 
     # -- thread-safe entry points ---------------------------------------------------------------
     def submit(self, msg: TokenizedReq) -> None:
@@ -153,6 +161,8 @@ class EngineCore:
         if batch.retracted:
             log.warning(f"KV cache pool is full. Retracted {len(batch.retracted)} requests",
                         rids=[r.rid for r in batch.retracted])
+            for req in batch.retracted if self.spec is not None else ():
+                self.spec.release(req)  # a draft model's KV too: it recomputes it with the rest
         if batch.reqs:
             self._run(batch, outputs)
         elif batch.retracted:  # nothing ran, but who was retracted is news all the same

@@ -35,10 +35,10 @@ from services.scheduler.core.proposer import NgramProposer, Proposer, TokenView
 from services.scheduler.core.request import Request, Status
 from services.scheduler.core.sampler import needs_counts
 
-ALGORITHMS = ("NGRAM", "STANDALONE")
+ALGORITHMS = ("NGRAM", "STANDALONE", "SELF")
 # k where --speculative-num-draft-tokens is unset: n-gram drafts are free to make and bounded by
 # their match (NgramProposer's per_match); a draft model's each cost a forward of it
-DEFAULT_DRAFTS = {"NGRAM": 8, "STANDALONE": 4}
+DEFAULT_DRAFTS = {"NGRAM": 8, "STANDALONE": 4, "SELF": 4}
 
 
 @dataclass
@@ -52,18 +52,19 @@ class SpecConfig:
     # no drafts while more requests than this run: a large batch is compute-bound, and
     # verifying k drafts each costs about k decode rows' matmul work
     disable_by_batch_size: int = 8
+    draft_layers: int | None = None  # SELF: the target's first layers that draft
 
 
 def spec_config(args: ServerArgs) -> SpecConfig | None:
     """The flags' speculative settings, or None when speculation is off; a bad combination is
     a ValueError naming the flag (the service's start-up error)."""
+    if (error := speculative_error(args)) is not None:  # a draft's flag without its algorithm
+        raise ValueError(error)
     if args.speculative_algorithm is None:
         return None
     if args.speculative_algorithm not in ALGORITHMS:
         raise ValueError(f"--speculative-algorithm {args.speculative_algorithm}: choose from "
                          + ", ".join(ALGORITHMS))
-    if (error := speculative_error(args)) is not None:
-        raise ValueError(error)
     k = args.speculative_num_draft_tokens
     if k is None:  # measured on grounded12 (docs/design.md, "Speculative decoding")
         k = DEFAULT_DRAFTS[args.speculative_algorithm]
@@ -71,7 +72,8 @@ def spec_config(args: ServerArgs) -> SpecConfig | None:
     hi = args.speculative_ngram_max_match_window_size
     return SpecConfig(algorithm=args.speculative_algorithm, num_draft_tokens=k, ngram_min=lo,
                       ngram_max=hi,
-                      disable_by_batch_size=args.speculative_disable_by_batch_size)
+                      disable_by_batch_size=args.speculative_disable_by_batch_size,
+                      draft_layers=args.speculative_draft_layers)
 
 
 @dataclass
@@ -170,6 +172,7 @@ class Speculator:
                 "ngram_min_match_window_size": c.ngram_min,
                 "ngram_max_match_window_size": c.ngram_max,
                 "disable_by_batch_size": c.disable_by_batch_size,
+                **({"draft_layers": c.draft_layers} if c.draft_layers is not None else {}),
                 "acceptance_rate": round(self.stats.acceptance_rate, 4)}
 
 

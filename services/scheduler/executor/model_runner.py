@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import replace
@@ -244,6 +245,8 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
         self.kv_bytes = slots * self.kv_bytes_per_token
+        if self.num_layers < self.config["num_hidden_layers"]:
+            return  # a draft of the first layers (first_layers): its proposer logs it
         # the C++ decode kernel's vector path (avx512_bf16, avx512, avx2 or portable): what
         # -march=native built for this CPU
         isa = cpu_kernels().isa() if self.attention_kernel == "native" else None
@@ -253,6 +256,21 @@ class ModelRunner:
                  backend=self.backend.name, linear=self.linear_backend,
                  decode_attention=self.attention_kernel, decode_attention_isa=isa,
                  prefill_attention=self.prefill_kernel)
+
+    def first_layers(self, num_layers: int, max_total_tokens: int) -> ModelRunner:
+        """A runner over this one's model (the same module objects: no weights copied) that
+        computes only layers [0, num_layers), then the final norm and the lm_head, into a KV
+        cache of its own for those layers (`max_total_tokens` of them): a self-speculative
+        draft (core/draft.py). It shares the attention backend and the LoRA set too, which
+        hold nothing across forwards but a step's plan and scratch buffers."""
+        if not 1 <= num_layers < self.num_layers:
+            raise ValueError(f"--speculative-draft-layers must be >= 1 and < the model's "
+                             f"{self.num_layers} layers, not {num_layers}")
+        draft = copy.copy(self)
+        draft.num_layers = num_layers
+        draft.num_blocks = max(1, -(-max_total_tokens // self.page_size))
+        draft._allocate_kv()
+        return draft
 
     def _quantize(self, mode: str, gguf_path: Path | None) -> quant.QuantSummary | None:
         """Quantize the loaded model's weights (`mode` int8 or int4), reading a GGUF's own int4

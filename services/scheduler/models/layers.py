@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -368,14 +369,19 @@ class CausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits of the tokens at `logits_indices` only: the rest of a prefill needs none."""
+        """Logits of the tokens at `logits_indices` only: the rest of a prefill needs none.
+        The layers run are those `kv_caches` holds a cache for: all of them, or the first L
+        of a self-speculative draft (ModelRunner.first_layers), whose last one then goes
+        straight to the final norm and the lm_head."""
+        n = len(kv_caches)
+        assert n <= len(self.layers), f"{n} KV caches for {len(self.layers)} layers"
         x = self.embed(input_ids)
         if self.arch_.embed_scale != 1.0:
             x = x * torch.tensor(self.arch_.embed_scale, dtype=x.dtype)
         ropes = [r.at(positions, x.dtype) for r in self.rotaries]
         residual = None
-        for layer, i, (k_cache, v_cache) in zip(self.layers, self.rope_index, kv_caches,
-                                                strict=True):
+        for layer, i, (k_cache, v_cache) in zip(islice(self.layers, n), self.rope_index[:n],
+                                                kv_caches, strict=True):
             x, residual = layer.forward(x, residual, ropes[i], meta, k_cache, v_cache)
         if residual is None:
             return self.logits(self.norm(x[logits_indices])).float()
