@@ -249,7 +249,7 @@ def test_cpu_projections_keep_only_their_packed_copies(tiny_model_dir, monkeypat
                         "through oneDNN"]
     else:
         assert bool(said) != use_tiles
-    assert use_tiles == (tiles == "1" and native.QUANT.module().vectorized())
+    assert use_tiles == (tiles == "1" and native.QUANT.module().float_isa() != "portable")
     assert runner.linear_backend == ("native_float32" if use_tiles else "onednn")
     linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.weight is None for m in linears)

@@ -345,13 +345,15 @@ def test_float32_tiles_refuse_what_they_cannot_run(monkeypatch):
     from services.scheduler.native import cpu_flags
 
     missing = quant.float32_tiles_missing([576, 1536])
-    if module.vectorized():
+    flags = cpu_flags()
+    if module.float_isa() != "portable":
+        assert module.float_isa() == ("avx512" if module.vectorized() else "avx2")
         assert missing is None
         assert quant.float32_tiles_missing([576, 30]) == "input widths [30] are not multiples of 4"
-    elif cpu_flags() and "avx512f" not in cpu_flags():
-        assert missing == "this CPU has no AVX-512"
+    elif flags and "avx512f" not in flags and not {"avx2", "fma"} <= flags:
+        assert missing == "this CPU has neither AVX-512 nor AVX2 with FMA"
     else:
-        assert missing == "the C++ matmul kernels were built without AVX-512"
+        assert missing == "the C++ matmul kernels were built without AVX-512 or AVX2"
     monkeypatch.setenv("TOKENLINE_FLOAT32_TILES", "0")
     assert quant.float32_tiles_missing([576]) == "TOKENLINE_FLOAT32_TILES=0"
     monkeypatch.setenv("TOKENLINE_FLOAT32_TILES", "off")

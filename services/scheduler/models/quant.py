@@ -247,7 +247,7 @@ class Int4Linear:
 
 class Float32Tiles:
     """x @ w.T (+ bias) for a float32 weight in the same tiles ([T, K, 16]), through our C++
-    kernel: the float32 projections on AVX-512 CPUs (`float32_tiles_missing`).
+    kernel: the float32 projections on AVX-512 and AVX2 CPUs (`float32_tiles_missing`).
 
     Why not oneDNN, which ran them before: at a decode step's 1-64 rows its packed float32
     kernel is far from either bound, while these tiles run the int8 kernel's register blocks
@@ -257,8 +257,11 @@ class Float32Tiles:
     2-core Zen 4 EPYC): 1 row 18.3 against 36.0 ms, 4 rows 21.0 / 32.1, 16 rows 27.7 / 38.3, 44
     rows 66.3 / 85.5, 64 rows 88.9 / 95.1; at a prefill's 2,048 rows within a few per cent
     either way (`--batches 2048`: the 30 layers' projections 2,237 against 2,370 ms per shape in
-    cache, the whole step's from DRAM 2,855 against 2,769). Same bytes as oneDNN's copy; the
-    sums are float32 in another order (results agree to ~1e-6 relative)."""
+    cache, the whole step's from DRAM 2,855 against 2,769). On an AVX2 EPYC (Zen 3, 2 cores;
+    the AVX2 register blocks, 6 rows by one tile) from DRAM: 1 row 18.5 against 28.2 ms, 8 rows
+    28.3 / 42.4, 64 rows 124.2 / 132.8; in cache 16 rows 29.8 / 44.6, 512 rows 889 / 872,
+    2,048 rows 3,830 / 4,077. Same bytes as oneDNN's copy; the sums are float32 in another
+    order (results agree to ~1e-6 relative)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -284,23 +287,23 @@ class Float32Tiles:
 
 def float32_tiles_missing(in_features: list[int]) -> str | None:
     """Why float32 projections of these input widths would not run from Float32Tiles here
-    (None: they do). They need the C++ kernels built with AVX-512 (an AVX2 build's tiles were
-    never measured against oneDNN there) and widths that are multiples of 4;
+    (None: they do). They need the C++ kernels built with AVX-512 or with AVX2 and FMA (the
+    portable loops are far slower than oneDNN) and widths that are multiples of 4;
     TOKENLINE_FLOAT32_TILES=0 keeps oneDNN (1, the default, asks for the tiles; anything else
-    is an error). A CPU without AVX-512 is told from its flags, without building the kernels."""
+    is an error). A CPU with neither is told from its flags, without building the kernels."""
     setting = os.environ.get("TOKENLINE_FLOAT32_TILES", "1")
     if setting not in ("0", "1"):
         raise ValueError(f"TOKENLINE_FLOAT32_TILES must be 0 or 1, not {setting!r}")
     if setting == "0":
         return "TOKENLINE_FLOAT32_TILES=0"
     flags = cpu_flags()
-    if flags and "avx512f" not in flags:
-        return "this CPU has no AVX-512"
+    if flags and "avx512f" not in flags and not {"avx2", "fma"} <= flags:
+        return "this CPU has neither AVX-512 nor AVX2 with FMA"
     module = QUANT.module()
     if module is None:
         return "no C++ matmul kernels"
-    if not module.vectorized():
-        return "the C++ matmul kernels were built without AVX-512"
+    if module.float_isa() == "portable":
+        return "the C++ matmul kernels were built without AVX-512 or AVX2"
     odd = sorted({k for k in in_features if k % 4})
     if odd:
         return f"input widths {odd} are not multiples of 4"
