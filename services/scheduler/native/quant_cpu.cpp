@@ -359,57 +359,69 @@ void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
   }
 }
 
-// RB (1-4) rows of x against one tile's buffer [Kp][16], a tile being two 8-lane vectors:
+// k values summed in registers before the partial sums are added into memory: one chain of
+// FMAs over a whole K (1,536 for SmolLM2's down_proj) rounds K times in a row, and took the
+// real model's logits (40 rows with a LoRA adapter, tests/unit/test_lora.py) 1.26e-3 from
+// float64's, against oneDNN's 7.7e-4 and transformers' float32 7.9e-4; blocks of 128 gave
+// 8.1e-4, of 32 3.9e-4. Their 12 loads, adds and stores per 384 FMAs (6 rows) were within the
+// noise at 1-64 rows (bench.quant_kernels --from-memory).
+constexpr int64_t AVX2_K_BLOCK = 32;
+
+// RB (1-6) rows of x against one tile's buffer [Kp][16], a tile being two 8-lane vectors:
 // 2 RB accumulators (times U chains over k below 4 rows: an FMA's result is ready ~4 cycles
-// later, and two issue per cycle), two weight vectors and a broadcast in AVX2's 16 registers.
+// later, and two issue per cycle), two weight vectors and a broadcast in AVX2's 16 registers
+// (6 rows: 12 accumulators, the register block of BLIS's Haswell kernel).
+//
+// Every index into acc must be a constant once unrolled: a loop the compiler leaves rolled
+// keeps acc in memory, and GCC then stores all 2 RB accumulators to the stack after every k
+// (so it did, with the epilogue's loop around a copy of `valid` floats: 8 stores a k at 4
+// rows, and this kernel took 2.2x oneDNN's time at 64 rows on an AVX2 EPYC).
 template <int RB>
 void avx2_rows(const float* x, int64_t ldx, const float* wt, int64_t Kp, float* out,
                int64_t ldo, int valid) {
   constexpr int U = RB >= 4 ? 1 : (RB == 1 ? 4 : 2);
-  __m256 acc[RB][U][2];
+  alignas(32) float sum[RB][LANES];
+  for (int64_t kb = 0; kb < Kp; kb += AVX2_K_BLOCK) {
+    const int64_t kend = std::min(Kp, kb + AVX2_K_BLOCK);  // K is a multiple of 4
+    __m256 acc[RB][U][2];
 #pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r)
+    for (int r = 0; r < RB; ++r)
 #pragma GCC unroll 8
-    for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = _mm256_setzero_ps();
-  for (int64_t k0 = 0; k0 < Kp; k0 += U) {  // Kp is a multiple of 32
+      for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = _mm256_setzero_ps();
+    for (int64_t k0 = kb; k0 < kend; k0 += U) {
 #pragma GCC unroll 8
-    for (int u = 0; u < U; ++u) {
-      const float* wk = wt + (k0 + u) * LANES;
-      const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+      for (int u = 0; u < U; ++u) {
+        const float* wk = wt + (k0 + u) * LANES;
+        const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
 #pragma GCC unroll 8
-      for (int r = 0; r < RB; ++r) {
-        const __m256 b = _mm256_broadcast_ss(x + r * ldx + k0 + u);
-        acc[r][u][0] = _mm256_fmadd_ps(w0, b, acc[r][u][0]);
-        acc[r][u][1] = _mm256_fmadd_ps(w1, b, acc[r][u][1]);
+        for (int r = 0; r < RB; ++r) {
+          const __m256 b = _mm256_broadcast_ss(x + r * ldx + k0 + u);
+          acc[r][u][0] = _mm256_fmadd_ps(w0, b, acc[r][u][0]);
+          acc[r][u][1] = _mm256_fmadd_ps(w1, b, acc[r][u][1]);
+        }
       }
     }
-  }
-  // Every index into acc must be a constant once unrolled: a loop the compiler leaves rolled
-  // (here the epilogue's, around a copy of `valid` floats) keeps acc in memory, and GCC then
-  // stores all 2 RB accumulators to the stack after every k: 8 stores a k at 4 rows, twice
-  // the FMAs' time (this kernel was 2.2x oneDNN's at 64 rows on an AVX2 EPYC).
-  alignas(32) float tmp[RB][LANES];
 #pragma GCC unroll 8
-  for (int r = 0; r < RB; ++r) {
-    __m256 lo = acc[r][0][0], hi = acc[r][0][1];
+    for (int r = 0; r < RB; ++r) {
+      __m256 lo = acc[r][0][0], hi = acc[r][0][1];
 #pragma GCC unroll 8
-    for (int u = 1; u < U; ++u) {
-      lo = _mm256_add_ps(lo, acc[r][u][0]);
-      hi = _mm256_add_ps(hi, acc[r][u][1]);
-    }
-    if (valid == LANES) {
-      _mm256_storeu_ps(out + r * ldo, lo);
-      _mm256_storeu_ps(out + r * ldo + 8, hi);
-    } else {
-      _mm256_store_ps(tmp[r], lo);
-      _mm256_store_ps(tmp[r] + 8, hi);
+      for (int u = 1; u < U; ++u) {
+        lo = _mm256_add_ps(lo, acc[r][u][0]);
+        hi = _mm256_add_ps(hi, acc[r][u][1]);
+      }
+      if (kb > 0) {
+        lo = _mm256_add_ps(lo, _mm256_load_ps(sum[r]));
+        hi = _mm256_add_ps(hi, _mm256_load_ps(sum[r] + 8));
+      }
+      _mm256_store_ps(sum[r], lo);
+      _mm256_store_ps(sum[r] + 8, hi);
     }
   }
-  if (valid != LANES)
-    for (int r = 0; r < RB; ++r) std::copy(tmp[r], tmp[r] + valid, out + r * ldo);
+  for (int r = 0; r < RB; ++r) std::copy(sum[r], sum[r] + valid, out + r * ldo);
 }
 
-// NT tiles' buffers against R rows (as the caller holds them), four rows at a time.
+// NT tiles' buffers against R rows (as the caller holds them), six rows at a time (then
+// four, then what is left).
 template <int NT, int R>
 void float_tiles(const float* x, int64_t ldx, const float* w, int64_t Kp, float* out,
                  int64_t ldo, int valid_last, Ahead) {
