@@ -363,9 +363,10 @@ void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
 // FMAs over a whole K (1,536 for SmolLM2's down_proj) rounds K times in a row, and took the
 // real model's logits (40 rows with a LoRA adapter, tests/unit/test_lora.py) 1.26e-3 from
 // float64's, against oneDNN's 7.7e-4 and transformers' float32 7.9e-4; blocks of 128 gave
-// 8.1e-4, of 32 3.9e-4. Their 12 loads, adds and stores per 384 FMAs (6 rows) were within the
-// noise at 1-64 rows (bench.quant_kernels --from-memory).
-constexpr int64_t AVX2_K_BLOCK = 32;
+// 8.1e-4, of 64 5.8e-4, of 32 3.9e-4. A block's end costs 12 loads, adds and stores at 6 rows
+// (768 FMAs at 64): a few per cent at 2,048 rows for 32, about half that for 64, lost in the
+// noise at 1-64 rows (bench.quant_kernels, an AVX2 EPYC).
+constexpr int64_t AVX2_K_BLOCK = 64;
 
 // RB (1-6) rows of x against one tile's buffer [Kp][16], a tile being two 8-lane vectors:
 // 2 RB accumulators (times U chains over k below 4 rows: an FMA's result is ready ~4 cycles
