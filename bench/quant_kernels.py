@@ -21,8 +21,8 @@ per --quantization and --dtype. With --from-memory it also times one decode step
 distinct weights for every layer (30 of each projection and the lm_head, as the model holds
 them), so the weights stream from DRAM as in a real step rather than from the caches the
 per-shape table repeats them in: milliseconds and the weight bytes read per second, the
-number to hold against the machine's bandwidth at batch 1. With --against REV our int8/int4
-columns are also timed with quant_cpu.cpp as it was at git revision REV (built as an extension
+number to hold against the machine's bandwidth at batch 1. With --against REV our int8, int4
+and float32-tile columns are also timed with quant_cpu.cpp as it was at git revision REV (built as an extension
 of its own, the same weights), alternating in this process: a change's before and after in one
 table. The machine it ran on may be shared: compare the columns of one run, not numbers of
 different runs.
@@ -95,10 +95,18 @@ def _candidates(weight: torch.Tensor) -> dict[str, tuple[Callable, torch.dtype]]
     }
     if bf16 is not None:
         kernels["bf16_onednn"] = (lambda x: onednn_linear(x, bf16, None), torch.float32)
+    tiles = quant.Float32Tiles(weight, None)
     for rev, module in AGAINST.items():
+        if hasattr(module, "float_linear"):  # the float32 tiles came in 699eafb
+            kernels[f"f32_tiles_{rev}"] = (_float_at(module, tiles), torch.float32)
         kernels[f"int8_{rev}"] = (_at(module, ours8), torch.float32)
         kernels[f"int4_{rev}"] = (_at(module, ours4), torch.float32)
     return kernels
+
+
+def _float_at(module: object, tiles: quant.Float32Tiles) -> Callable:
+    """x -> out through `module`'s float32 tiles kernel for our tiled weight."""
+    return lambda x: module.float_linear(x, tiles.tiles, None, tiles.out_features)
 
 
 def run(batches: list[int], min_s: float) -> dict:
@@ -142,6 +150,8 @@ def from_memory(batches: list[int], rounds: int = 4) -> dict:
                "int8_ours": (int8, sum(q.nbytes for q in int8)),
                "int4_ours": (int4, sum(q.nbytes for q in int4))}
     for rev in AGAINST:
+        if hasattr(AGAINST[rev], "float_linear"):
+            weights[f"f32_tiles_{rev}"] = weights["f32_tiles"]
         weights[f"int8_{rev}"], weights[f"int4_{rev}"] = weights["int8_ours"], weights["int4_ours"]
     ks = [k for _, k in layers]
 
@@ -164,6 +174,9 @@ def from_memory(batches: list[int], rounds: int = 4) -> dict:
                  "int8_ours": partial(quant_step, xs, int8),
                  "int4_ours": partial(quant_step, xs, int4)}
         for rev, module in AGAINST.items():
+            if hasattr(module, "float_linear"):
+                steps[f"f32_tiles_{rev}"] = partial(rev_step, xs,
+                                                    [_float_at(module, t) for t in tiles])
             steps[f"int8_{rev}"] = partial(rev_step, xs, [_at(module, q) for q in int8])
             steps[f"int4_{rev}"] = partial(rev_step, xs, [_at(module, q) for q in int4])
         best = dict.fromkeys(steps, float("inf"))
