@@ -22,9 +22,9 @@ distinct weights for every layer (30 of each projection and the lm_head, as the 
 them), so the weights stream from DRAM as in a real step rather than from the caches the
 per-shape table repeats them in: milliseconds and the weight bytes read per second, the
 number to hold against the machine's bandwidth at batch 1. With --against REV our int8, int4
-and float32-tile columns are also timed with quant_cpu.cpp as it was at git revision REV (built as an extension
-of its own, the same weights), alternating in this process: a change's before and after in one
-table. The machine it ran on may be shared: compare the columns of one run, not numbers of
+and float32-tile columns are also timed with quant_cpu.cpp as it was at git revision REV
+(built as an extension of its own, the same weights), alternating in this process: a change's
+before and after in one table. The machine it ran on may be shared: compare the columns of one run, not numbers of
 different runs.
 """
 
@@ -132,12 +132,9 @@ def run(batches: list[int], min_s: float) -> dict:
     return table
 
 
-def from_memory(batches: list[int], rounds: int = 4) -> dict:
-    """Fastest whole step's matmuls (ms) and weight GB/s per kernel, each layer its own weight;
-    the kernels alternate in rounds. int4 keeps the lm_head int8 as quantize_model does."""
-    torch.manual_seed(0)
-    layers = [(n, k) for _ in range(30) for _, n, k, count in SHAPES if count > 1]
-    layers.append(next((n, k) for name, n, k, _ in SHAPES if name == "lm_head"))
+def _layer_weights(layers: list[tuple[int, int]]) -> tuple[list, list, list, list]:
+    """A random weight per (n, k) as oneDNN float32, float32 tiles, int8 and int4 (the last
+    layer, the lm_head, int8 in the int4 list: quantize_model keeps it so)."""
     f32, tiles, int8, int4 = [], [], [], []
     for i, (n, k) in enumerate(layers):
         weight = torch.randn(n, k) * 0.02
@@ -145,14 +142,26 @@ def from_memory(batches: list[int], rounds: int = 4) -> dict:
         tiles.append(quant.Float32Tiles(weight, None))
         int8.append(quant.Int8Plain.quantize(weight).pack())
         int4.append(int8[-1] if i == len(layers) - 1 else quant.Int4Plain.quantize(weight).pack())
-    weights = {"f32_onednn": (f32, 4 * sum(n * k for n, k in layers)),
-               "f32_tiles": (tiles, sum(t.nbytes for t in tiles)),
-               "int8_ours": (int8, sum(q.nbytes for q in int8)),
-               "int4_ours": (int4, sum(q.nbytes for q in int4))}
-    for rev in AGAINST:
-        if hasattr(AGAINST[rev], "float_linear"):
-            weights[f"f32_tiles_{rev}"] = weights["f32_tiles"]
-        weights[f"int8_{rev}"], weights[f"int4_{rev}"] = weights["int8_ours"], weights["int4_ours"]
+    return f32, tiles, int8, int4
+
+
+def from_memory(batches: list[int], rounds: int = 4) -> dict:
+    """Fastest whole step's matmuls (ms) and weight GB/s per kernel, each layer its own weight;
+    the kernels alternate in rounds. int4 keeps the lm_head int8 as quantize_model does."""
+    torch.manual_seed(0)
+    layers = [(n, k) for _ in range(30) for _, n, k, count in SHAPES if count > 1]
+    layers.append(next((n, k) for name, n, k, _ in SHAPES if name == "lm_head"))
+    f32, tiles, int8, int4 = _layer_weights(layers)
+    weights = {"f32_onednn": 4 * sum(n * k for n, k in layers),
+               "f32_tiles": sum(t.nbytes for t in tiles),
+               "int8_ours": sum(q.nbytes for q in int8), "int4_ours": sum(q.nbytes for q in int4)}
+    revs: dict[str, tuple[list, str]] = {}  # --against: name -> (per-layer x -> out, its bytes)
+    for rev, module in AGAINST.items():
+        if hasattr(module, "float_linear"):  # the float32 tiles came in 699eafb
+            revs[f"f32_tiles_{rev}"] = ([_float_at(module, t) for t in tiles], "f32_tiles")
+        revs[f"int8_{rev}"] = ([_at(module, q) for q in int8], "int8_ours")
+        revs[f"int4_{rev}"] = ([_at(module, q) for q in int4], "int4_ours")
+    weights.update({name: weights[ours] for name, (_, ours) in revs.items()})
     ks = [k for _, k in layers]
 
     def f32_step(xs: dict) -> None:
@@ -173,18 +182,13 @@ def from_memory(batches: list[int], rounds: int = 4) -> dict:
         steps = {"f32_onednn": partial(f32_step, xs), "f32_tiles": partial(quant_step, xs, tiles),
                  "int8_ours": partial(quant_step, xs, int8),
                  "int4_ours": partial(quant_step, xs, int4)}
-        for rev, module in AGAINST.items():
-            if hasattr(module, "float_linear"):
-                steps[f"f32_tiles_{rev}"] = partial(rev_step, xs,
-                                                    [_float_at(module, t) for t in tiles])
-            steps[f"int8_{rev}"] = partial(rev_step, xs, [_at(module, q) for q in int8])
-            steps[f"int4_{rev}"] = partial(rev_step, xs, [_at(module, q) for q in int4])
+        steps.update({name: partial(rev_step, xs, fns) for name, (fns, _) in revs.items()})
         best = dict.fromkeys(steps, float("inf"))
         for _ in range(rounds):
             for name, step in steps.items():
                 best[name] = min(best[name], _time(step, 0.0))
         out[batch] = {name: {"ms": round(t * 1e3, 2),
-                             "weight_GB_s": round(weights[name][1] / t / 1e9, 1)}
+                             "weight_GB_s": round(weights[name] / t / 1e9, 1)}
                       for name, t in best.items()}
     return out
 
