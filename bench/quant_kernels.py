@@ -24,8 +24,8 @@ per-shape table repeats them in: milliseconds and the weight bytes read per seco
 number to hold against the machine's bandwidth at batch 1. With --against REV our int8, int4
 and float32-tile columns are also timed with quant_cpu.cpp as it was at git revision REV
 (built as an extension of its own, the same weights), alternating in this process: a change's
-before and after in one table. The machine it ran on may be shared: compare the columns of one run, not numbers of
-different runs.
+before and after in one table. The machine it ran on may be shared: compare the columns of
+one run, not numbers of different runs.
 """
 
 from __future__ import annotations
