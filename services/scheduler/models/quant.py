@@ -258,7 +258,8 @@ class Float32Tiles:
     rows 66.3 / 85.5, 64 rows 88.9 / 95.1; at a prefill's 2,048 rows within a few per cent
     either way (`--batches 2048`: the 30 layers' projections 2,237 against 2,370 ms per shape in
     cache, the whole step's from DRAM 2,855 against 2,769). On an AVX2 EPYC (Zen 3, 2 cores;
-    the AVX2 register blocks, 6 rows by one tile) from DRAM: 1 row 18.5 against 28.2 ms, 8 rows
+    the AVX2 register blocks, 6 rows by one tile; b36c679, before the k blocks and the 5-row
+    block: docs/benchmarks.md, "Matmul kernels", has the later run) from DRAM: 1 row 18.5 against 28.2 ms, 8 rows
     28.3 / 42.4, 64 rows 124.2 / 132.8; in cache 16 rows 29.8 / 44.6, 512 rows 889 / 872,
     2,048 rows 3,830 / 4,077. Same bytes as oneDNN's copy; the sums are float32 in another
     order (results agree to ~1e-6 relative)."""
