@@ -93,8 +93,10 @@ def _candidates(weight: torch.Tensor) -> dict[str, tuple[Callable, torch.dtype]]
         "int8_torch": (torch8.matmul, torch.bfloat16),
         "int4_torch": (torch4.matmul, torch.bfloat16),
     }
-    if bf16 is not None:
-        kernels["bf16_onednn"] = (lambda x: onednn_linear(x, bf16, None), torch.float32)
+    if bf16 is not None:  # bfloat16 in and out, as --dtype bfloat16 runs them
+        kernels["bf16_onednn"] = (lambda x: onednn_linear(x, bf16, None), torch.bfloat16)
+    if quant.bf16_tiles_missing([weight.shape[1]]) is None:
+        kernels["bf16_tiles"] = (quant.Bf16Tiles(weight, None).matmul, torch.bfloat16)
     tiles = quant.Float32Tiles(weight, None)
     for rev, module in AGAINST.items():
         if hasattr(module, "float_linear"):  # the float32 tiles came in 699eafb
@@ -132,17 +134,28 @@ def run(batches: list[int], min_s: float) -> dict:
     return table
 
 
-def _layer_weights(layers: list[tuple[int, int]]) -> tuple[list, list, list, list]:
+def _layer_weights(layers: list[tuple[int, int]]) -> tuple[list, list, list, list, dict]:
     """A random weight per (n, k) as oneDNN float32, float32 tiles, int8 and int4 (the last
-    layer, the lm_head, int8 in the int4 list: quantize_model keeps it so)."""
+    layer, the lm_head, int8 in the int4 list: quantize_model keeps it so), and where this CPU
+    runs them, bfloat16 through oneDNN and our bfloat16 tiles (name -> list)."""
     f32, tiles, int8, int4 = [], [], [], []
+    bf16: dict[str, list] = {}
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        bf16["bf16_onednn"] = []
+    if quant.bf16_tiles_missing([k for _, k in layers]) is None:
+        bf16["bf16_tiles"] = []
     for i, (n, k) in enumerate(layers):
         weight = torch.randn(n, k) * 0.02
         f32.append(onednn_pack(weight))
         tiles.append(quant.Float32Tiles(weight, None))
         int8.append(quant.Int8Plain.quantize(weight).pack())
         int4.append(int8[-1] if i == len(layers) - 1 else quant.Int4Plain.quantize(weight).pack())
-    return f32, tiles, int8, int4
+        if "bf16_onednn" in bf16:
+            packed = onednn_pack(weight, torch.bfloat16)
+            bf16["bf16_onednn"].append(lambda x, w=packed: onednn_linear(x, w, None))
+        if "bf16_tiles" in bf16:
+            bf16["bf16_tiles"].append(quant.Bf16Tiles(weight, None).matmul)
+    return f32, tiles, int8, int4, bf16
 
 
 def from_memory(batches: list[int], rounds: int = 4) -> dict:
@@ -151,10 +164,11 @@ def from_memory(batches: list[int], rounds: int = 4) -> dict:
     torch.manual_seed(0)
     layers = [(n, k) for _ in range(30) for _, n, k, count in SHAPES if count > 1]
     layers.append(next((n, k) for name, n, k, _ in SHAPES if name == "lm_head"))
-    f32, tiles, int8, int4 = _layer_weights(layers)
+    f32, tiles, int8, int4, bf16 = _layer_weights(layers)
     weights = {"f32_onednn": 4 * sum(n * k for n, k in layers),
                "f32_tiles": sum(t.nbytes for t in tiles),
                "int8_ours": sum(q.nbytes for q in int8), "int4_ours": sum(q.nbytes for q in int4)}
+    weights.update(dict.fromkeys(bf16, 2 * sum(n * k for n, k in layers)))
     revs: dict[str, tuple[list, str]] = {}  # --against: name -> (per-layer x -> out, its bytes)
     for rev, module in AGAINST.items():
         if hasattr(module, "float_linear"):  # the float32 tiles came in 699eafb
@@ -183,6 +197,8 @@ def from_memory(batches: list[int], rounds: int = 4) -> dict:
                  "int8_ours": partial(quant_step, xs, int8),
                  "int4_ours": partial(quant_step, xs, int4)}
         steps.update({name: partial(rev_step, xs, fns) for name, (fns, _) in revs.items()})
+        xs_bf16 = {k: x.to(torch.bfloat16) for k, x in xs.items()}
+        steps.update({name: partial(rev_step, xs_bf16, fns) for name, fns in bf16.items()})
         best = dict.fromkeys(steps, float("inf"))
         for _ in range(rounds):
             for name, step in steps.items():

@@ -73,6 +73,10 @@ def _count_fast_paths() -> None:
     quant.Int4Linear.matmul = count(lambda *_: "C++ int4 linears", quant.Int4Linear.matmul)
     quant.Float32Tiles.matmul = count(lambda *_: "C++ float32 tile linears",
                                       quant.Float32Tiles.matmul)
+    quant.Bf16Tiles.matmul = count(
+        lambda self, x: ("oneDNN bfloat16 linears" if self.onednn is not None
+                         and x.numel() // x.shape[-1] > self.rows else "C++ bfloat16 tile linears"),
+        quant.Bf16Tiles.matmul)
     quant.TorchInt8Linear.matmul = count(lambda *_: "torch int8 linears (the fallback)",
                                          quant.TorchInt8Linear.matmul)
     quant.TorchInt4Linear.matmul = count(lambda *_: "torch int4 linears (the fallback)",

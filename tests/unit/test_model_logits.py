@@ -9,6 +9,7 @@ import torch
 
 from services.scheduler.attention.base import AttentionMetadata
 from services.scheduler.executor.model_runner import ModelRunner
+from services.scheduler.models import quant
 from services.scheduler.native import cpu_flags
 
 
@@ -126,7 +127,14 @@ def test_bfloat16_on_cpu_is_bfloat16_end_to_end_and_stays_close(smol_path, monke
     runner = ModelRunner(smol_path, max_total_tokens=512, device="cpu", dtype="bfloat16")
     assert runner.dtype == runner.linear_dtype == torch.bfloat16
     assert all(k.dtype == v.dtype == torch.bfloat16 for k, v in runner.kv_caches)
-    assert runner.model.lm_packed.dtype == torch.bfloat16
+    # the lm_head from our bfloat16 tiles (a few rows) and oneDNN's copy beside them, where this
+    # CPU has AVX512-BF16, else oneDNN's alone: both run below (prefill chunks of 20 rows, decodes)
+    tiles = quant.bf16_tiles_missing(runner.model.linear_widths()) is None
+    assert runner.linear_backend == ("native_bfloat16" if tiles else "onednn")
+    lm = runner.model.lm_tiled.onednn if tiles else runner.model.lm_packed
+    assert lm.dtype == torch.bfloat16
+    if tiles:
+        assert runner.model.lm_tiled.tiles.dtype == torch.bfloat16
     assert runner.model.embed_tokens.weight.dtype == torch.bfloat16
     assert runner.attention_kernel == "native"
     info = runner.info()
@@ -159,7 +167,8 @@ def test_without_avx512_bf16_only_the_projections_run_in_bf16(smol_path, monkeyp
         runner = ModelRunner(smol_path, max_total_tokens=512, device="cpu", dtype="bfloat16")
     assert runner.linear_dtype == torch.bfloat16 and runner.dtype == torch.float32
     assert runner.kv_caches[0][0].dtype == torch.float32
-    assert runner.model.lm_packed.dtype == torch.bfloat16
+    lm = runner.model.lm_tiled
+    assert (lm.onednn if lm is not None else runner.model.lm_packed).dtype == torch.bfloat16
     assert runner.info()["linear_dtype"] == "bfloat16"
     assert runner.info()["kv_cache"]["dtype"] == "float32"
     why = [e["event"] for e in logs if "AVX512-BF16" in e["event"]]

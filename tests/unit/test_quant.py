@@ -362,6 +362,115 @@ def test_float32_tiles_refuse_what_they_cannot_run(monkeypatch):
         quant.float32_tiles_missing([576])
 
 
+def _check_bf16(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
+                bias: torch.Tensor | None = None) -> None:
+    """A bfloat16 tile matmul against x @ w.T (+ bias) in float64 from the same bfloat16
+    values: K products summed in float32 (VDPBF16PS rounds after each product it adds) within
+    (K + 6) u sum_k |x_k w_k| (+ u |bias|), then one rounding to bfloat16, at most 2^-8 of the
+    float32 result. A wrong lane, row, tile or pair of k moves a result by a whole product."""
+    xd, wd = x.double(), w.to(torch.bfloat16).double()
+    exact = xd @ wd.T
+    mag = xd.abs() @ wd.abs().T
+    if bias is not None:
+        exact = exact + bias.double()
+        mag = mag + bias.double().abs()
+    f32_err = (w.shape[1] + 6) * U * mag
+    bound = f32_err + 2.0**-8 * (exact.abs() + f32_err)
+    assert out.dtype == torch.bfloat16 and out.shape == exact.shape
+    excess = (out.double() - exact).abs() - bound
+    assert excess.max().item() <= 0, f"max abs diff {(out.double() - exact).abs().max():.3g}"
+
+
+def _bf16_tiles_or_skip() -> None:
+    missing = quant.bf16_tiles_missing([64])
+    if missing:
+        pytest.skip(f"no bfloat16 tiles here: {missing}")
+
+
+# out x in with in a multiple of 8: aligned, a last tile of 1-15 channels, 1-2 tiles only
+BF16_SHAPES = [(576, 576), (48, 96), (33, 104), (7, 40), (100, 64), (17, 1536)]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 13, 16, 64, 70])
+@pytest.mark.parametrize("shape", BF16_SHAPES)
+def test_bfloat16_tiles_match_float64(shape, batch):
+    """bfloat16 weights in tiles with k in pairs (the bfloat16 projections' small calls on
+    AVX512-BF16 CPUs): groups of three tiles, blocks of 8 rows ending on one of 1-7."""
+    _bf16_tiles_or_skip()
+    n, k = shape
+    torch.manual_seed(n * 1000 + k + batch)
+    w = torch.randn(n, k) * 0.05
+    x = torch.randn(batch, k).bfloat16()
+    lin = quant.Bf16Tiles(w, None)
+    assert lin.tiles.shape == (-(-n // 16), k // 2, 16, 2) and lin.nbytes == lin.tiles.nbytes
+    _check_bf16(lin.matmul(x), x, w)
+
+
+def test_bfloat16_tiles_take_a_bias_strided_rows_and_hand_large_calls_to_onednn():
+    _bf16_tiles_or_skip()
+    from services.scheduler.models.linear import onednn_pack
+
+    torch.manual_seed(4)
+    w, b = torch.randn(40, 64) * 0.05, torch.randn(40)
+    lin = quant.Bf16Tiles(w, b)
+    x = torch.randn(19, 100).bfloat16()[:, 8:72]  # rows 100 values apart: run as they lie
+    assert x.stride() == (100, 1)
+    _check_bf16(lin.matmul(x), x, w, b)
+    x3 = torch.randn(2, 5, 64).bfloat16()
+    out = lin.matmul(x3)
+    assert out.shape == (2, 5, 40)
+    _check_bf16(out.view(10, 40), x3.view(10, 64), w, b)
+    xf = torch.randn(9, 64)  # float32 in: through bfloat16, float32 out
+    out = lin.matmul(xf)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, (xf.bfloat16().double() @ w.bfloat16().double().T
+                                     + b.double()).float(), rtol=0.01, atol=0.02)
+    assert lin.matmul(torch.randn(0, 64).bfloat16()).shape == (0, 40)
+    # with a oneDNN copy, calls of more than `rows` rows go there (its bias in bfloat16, as
+    # Linear.pack gives oneDNN): the same numbers to bfloat16
+    both = quant.Bf16Tiles(w, b, onednn_pack(w, torch.bfloat16), rows=8)
+    assert both.nbytes > lin.nbytes
+    for rows in (8, 9, 40):
+        xr = torch.randn(rows, 64).bfloat16()
+        _check_bf16(both.matmul(xr), xr, w, b if rows <= 8 else b.bfloat16().float())
+
+
+def test_bfloat16_tiles_refuse_what_they_cannot_run(monkeypatch):
+    monkeypatch.delenv("TOKENLINE_BF16_TILES", raising=False)
+    module = native.QUANT.module()
+    from services.scheduler.native import cpu_flags
+
+    missing = quant.bf16_tiles_missing([576, 1536])
+    if not module.bf16_tiles_built():
+        assert missing in ("this CPU has no AVX512-BF16",
+                           "the C++ matmul kernels were built without AVX512-BF16")
+        assert (missing == "this CPU has no AVX512-BF16") == ("avx512_bf16" not in cpu_flags())
+        with pytest.raises(RuntimeError, match="built without AVX512-BF16"):
+            module.bf16_linear(torch.randn(2, 64).bfloat16(),
+                               torch.zeros(1, 32, 16, 2, dtype=torch.bfloat16), None, 16)
+    else:
+        assert missing is None
+        assert quant.bf16_tiles_missing([576, 36]) == "input widths [36] are not multiples of 8"
+        tiles = quant.Bf16Tiles(torch.randn(16, 64), None).tiles
+        x = torch.randn(2, 64).bfloat16()
+        with pytest.raises(RuntimeError, match="multiple of 8"):
+            module.bf16_linear(torch.randn(2, 36).bfloat16(),
+                               torch.zeros(1, 18, 16, 2, dtype=torch.bfloat16), None, 16)
+        with pytest.raises(RuntimeError, match="x's K"):
+            module.bf16_linear(torch.randn(2, 32).bfloat16(), tiles, None, 16)
+        with pytest.raises(RuntimeError, match="bfloat16"):
+            module.bf16_linear(x.float(), tiles, None, 16)
+        with pytest.raises(RuntimeError, match="N does not match"):
+            module.bf16_linear(x, tiles, None, 17)
+        with pytest.raises(RuntimeError, match="bias"):
+            module.bf16_linear(x, tiles, torch.randn(16).bfloat16(), 16)
+    monkeypatch.setenv("TOKENLINE_BF16_TILES", "0")
+    assert quant.bf16_tiles_missing([576]) == "TOKENLINE_BF16_TILES=0"
+    monkeypatch.setenv("TOKENLINE_BF16_TILES", "yes")
+    with pytest.raises(ValueError, match="TOKENLINE_BF16_TILES must be 0 or 1, not 'yes'"):
+        quant.bf16_tiles_missing([576])
+
+
 def test_portable_kernels_match_reference():
     """The plain C++ path that machines without AVX512 build (CI may be AVX2 only), built here
     with AVX512 switched off: the same layout, the same numbers within float32 summation."""

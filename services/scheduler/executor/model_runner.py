@@ -209,8 +209,9 @@ class ModelRunner:
         elif self.device.type == "cpu" and _onednn_enabled() and (
             self.dtype in (torch.float32, torch.bfloat16)
         ):
-            self.model.pack_for_cpu(self.linear_dtype)
-            self.linear_backend = "onednn"
+            tiles = self.linear_dtype == torch.bfloat16 and self._bf16_tiles()
+            self.model.pack_for_cpu(self.linear_dtype, tiles=tiles)
+            self.linear_backend = "native_bfloat16" if tiles else "onednn"
         _release_freed_memory()
         self.num_layers = c["num_hidden_layers"]
         self.num_kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
@@ -233,6 +234,18 @@ class ModelRunner:
         if missing:
             log.info(f"float32 projections not from our C++ tiles ({missing}): through "
                      f"{'oneDNN' if _onednn_enabled() else 'torch (TOKENLINE_ONEDNN=0)'}")
+        return missing is None
+
+    def _bf16_tiles(self) -> bool:
+        """Whether bfloat16 projections of a few rows run from our C++ tiles (quant.Bf16Tiles,
+        oneDNN's copy beside them for larger calls) rather than oneDNN alone; where they
+        cannot, the start-up log says why."""
+        missing = quant.bf16_tiles_missing(self.model.linear_widths())
+        if missing:
+            log.info(f"bfloat16 projections not from our C++ tiles ({missing}): through oneDNN")
+        else:
+            log.info(f"bfloat16 projections of up to {quant.BF16_TILE_ROWS} rows from our C++ "
+                     f"tiles (VDPBF16PS), larger ones through oneDNN")
         return missing is None
 
     def _allocate_kv(self) -> None:

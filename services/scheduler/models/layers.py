@@ -22,8 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.scheduler.attention.base import AttentionBackend, AttentionMetadata
-from services.scheduler.models.linear import Linear, onednn_linear, onednn_pack
-from services.scheduler.models.quant import Float32Tiles, Int8Linear, QuantizedWeight
+from services.scheduler.models.linear import Linear, onednn_linear, onednn_pack, tiled_weight
+from services.scheduler.models.quant import (
+    BF16_LM_HEAD_ROWS,
+    Bf16Tiles,
+    Float32Tiles,
+    Int8Linear,
+    QuantizedWeight,
+)
 from services.scheduler.native.ops import fused_ops
 
 RopeTables = tuple[torch.Tensor, torch.Tensor]
@@ -350,7 +356,7 @@ class CausalLM(nn.Module):
         self.tied = bool(config.get("tie_word_embeddings", False))
         self.lm_head = None if self.tied else nn.Linear(hidden, config["vocab_size"], bias=False)
         self.lm_packed: torch.Tensor | None = None
-        self.lm_tiled: Float32Tiles | None = None
+        self.lm_tiled: Float32Tiles | Bf16Tiles | None = None
         self.lm_quantized: QuantizedWeight | None = None
         self.embed_quantized: Int8Linear | None = None  # the lm_head's own when tied
         self.windows = windows
@@ -424,8 +430,8 @@ class CausalLM(nn.Module):
 
     def pack_for_cpu(self, dtype: torch.dtype | None = None, tiles: bool = False) -> None:
         """Run every projection and the lm_head through oneDNN (after the weights are final),
-        from copies in `dtype` (default: the weights' own), or with `tiles` from float32 tiles
-        (quant.Float32Tiles).
+        from copies in `dtype` (default: the weights' own), or with `tiles` from our tiles in
+        `dtype` (linear.tiled_weight: float32, or bfloat16 beside a oneDNN copy).
 
         The projections' plain weights are freed; a tied lm_head's copy comes on top of the
         embedding, which still serves lookups."""
@@ -433,7 +439,7 @@ class CausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack(dtype, tiles)
         if tiles:
-            self.lm_tiled = Float32Tiles(self.lm_weight, None)
+            self.lm_tiled = tiled_weight(self.lm_weight, None, dtype, BF16_LM_HEAD_ROWS)
         else:
             self.lm_packed = onednn_pack(self.lm_weight, dtype)
         if self.lm_head is not None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from services.scheduler.models.quant import Float32Tiles, QuantizedWeight
+from services.scheduler.models.quant import BF16_TILE_ROWS, Bf16Tiles, Float32Tiles, QuantizedWeight
 
 
 def onednn_pack(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -35,6 +35,15 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.to(x.dtype)
 
 
+def tiled_weight(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None,
+                 rows: int = BF16_TILE_ROWS) -> Float32Tiles | Bf16Tiles:
+    """Our tiles for a weight in `dtype` (default: its own): float32, or bfloat16 for calls of
+    up to `rows` rows with a oneDNN copy (AMX where the CPU has it) for larger ones."""
+    if (dtype or weight.dtype) == torch.bfloat16:
+        return Bf16Tiles(weight, bias, onednn_pack(weight, torch.bfloat16), rows)
+    return Float32Tiles(weight, bias)
+
+
 class LinearAdapter(Protocol):
     """Something added to a projection's output from its input, such as a LoRA's low-rank
     x @ A @ B * scale: the slot where adapters go, beside the base weight whatever its kind."""
@@ -51,15 +60,16 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     packed_bias: torch.Tensor | None = None
-    tiled: Float32Tiles | None = None
+    tiled: Float32Tiles | Bf16Tiles | None = None
     quantized: QuantizedWeight | None = None
     adapter: LinearAdapter | None = None
 
     def pack(self, dtype: torch.dtype | None = None, tiles: bool = False) -> None:
-        """Run from a oneDNN copy (or, with `tiles`, float32 tiles) from now on; the plain
-        weight is freed (it would double the memory the projections hold)."""
+        """Run from a oneDNN copy (or, with `tiles`, our tiles: float32, or bfloat16 with a
+        oneDNN copy beside them for calls of many rows) from now on; the plain weight is freed
+        (it would double the memory the projections hold)."""
         if tiles:
-            self.tiled = Float32Tiles(self.weight, self.bias)
+            self.tiled = tiled_weight(self.weight, self.bias, dtype)
         else:
             self.packed = onednn_pack(self.weight, dtype)
             self.packed_bias = None if self.bias is None else self.bias.detach().to(

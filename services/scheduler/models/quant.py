@@ -259,10 +259,10 @@ class Float32Tiles:
     either way (`--batches 2048`: the 30 layers' projections 2,237 against 2,370 ms per shape in
     cache, the whole step's from DRAM 2,855 against 2,769). On an AVX2 EPYC (Zen 3, 2 cores;
     the AVX2 register blocks, 6 rows by one tile; b36c679, before the k blocks and the 5-row
-    block: docs/benchmarks.md, "Matmul kernels", has the later run) from DRAM: 1 row 18.5 against 28.2 ms, 8 rows
-    28.3 / 42.4, 64 rows 124.2 / 132.8; in cache 16 rows 29.8 / 44.6, 512 rows 889 / 872,
-    2,048 rows 3,830 / 4,077. Same bytes as oneDNN's copy; the sums are float32 in another
-    order (results agree to ~1e-6 relative)."""
+    block: docs/benchmarks.md, "Matmul kernels", has the later run) from DRAM: 1 row 18.5
+    against 28.2 ms, 8 rows 28.3 / 42.4, 64 rows 124.2 / 132.8; in cache 16 rows 29.8 / 44.6,
+    512 rows 889 / 872, 2,048 rows 3,830 / 4,077. Same bytes as oneDNN's copy; the sums are
+    float32 in another order (results agree to ~1e-6 relative)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -308,6 +308,81 @@ def float32_tiles_missing(in_features: list[int]) -> str | None:
     odd = sorted({k for k in in_features if k % 4})
     if odd:
         return f"input widths {odd} are not multiples of 4"
+    return None
+
+
+# bfloat16 calls of up to this many rows run from our tiles, larger ones from oneDNN's copy
+# (on AMX, compute-bound much sooner than VDPBF16PS, which issues at half the FMAs' rate on the
+# Xeon). A SmolLM2 step's matmuls from DRAM (`bench.quant_kernels --from-memory`, the AMX Xeon
+# VM): tiles against oneDNN 15.3 / 27.2 ms at 1 row, 19.0 / 26.0 at 4, 22.6 / 28.0 at 8, 30.6 /
+# 26.0 at 16, 98 / 36 at 64. The lm_head (49,152 x 576) turns sooner: 1.24 / 1.27 ms at 4
+# rows, 2.29 / 1.29 at 8 (in cache).
+BF16_TILE_ROWS = 12
+BF16_LM_HEAD_ROWS = 4
+
+
+class Bf16Tiles:
+    """x @ w.T (+ bias) for a bfloat16 weight in tiles of 16 channels with k in pairs ([T, K/2,
+    16, 2]), through our C++ kernel (VDPBF16PS, AVX512-BF16): the bfloat16 projections of up
+    to `rows` rows; from there oneDNN's copy (`onednn`), which on AMX multiplies a prefill's
+    rows several times faster. Why ours below: oneDNN's bfloat16 inner product costs ~0.1 ms a
+    call at 1-4 rows whatever the shape (the AMX Xeon VM: a batch-1 step's 121 projections in
+    14 ms from cache, against the 9 ms its float32 tiles take for twice the bytes), and ours
+    reads the bfloat16 weights at the float32 tiles' pace. Float32 sums, the bias (float32)
+    added before the one rounding to bfloat16, as oneDNN does."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 onednn: torch.Tensor | None = None, rows: int = 0) -> None:
+        self.out_features, self.in_features = weight.shape
+        t = _tiles(weight.detach().to(torch.bfloat16))  # [T, K, 16]
+        self.tiles = t.view(t.shape[0], -1, 2, LANES).transpose(2, 3).contiguous()  # [T,K/2,16,2]
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.onednn, self.rows = onednn, rows
+        self.onednn_bias = None if bias is None else bias.detach().to(torch.bfloat16)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] (bfloat16; another dtype goes through bfloat16) -> [..., N] in x's dtype."""
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.dtype != torch.bfloat16:
+            x2 = x2.to(torch.bfloat16)
+        if self.onednn is not None and x2.shape[0] > self.rows:
+            out = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.onednn_bias, "none",
+                                                     [], "")
+        else:
+            if x2.stride(-1) != 1:
+                x2 = x2.contiguous()
+            out = QUANT.module().bf16_linear(x2, self.tiles, self.bias, self.out_features)
+        if x.dim() != 2:
+            out = out.view(*x.shape[:-1], self.out_features)
+        return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        extra = 0 if self.onednn is None else self.onednn.numel() * self.onednn.element_size()
+        return self.tiles.nbytes + extra + (0 if self.bias is None else self.bias.nbytes)
+
+
+def bf16_tiles_missing(in_features: list[int]) -> str | None:
+    """Why bfloat16 projections of these input widths would not run from Bf16Tiles here (None:
+    they do, below its `rows`). They need the C++ kernels built with AVX512-BF16 and widths
+    that are multiples of 8; TOKENLINE_BF16_TILES=0 keeps oneDNN for every call (1, the
+    default, asks for the tiles; anything else is an error)."""
+    setting = os.environ.get("TOKENLINE_BF16_TILES", "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"TOKENLINE_BF16_TILES must be 0 or 1, not {setting!r}")
+    if setting == "0":
+        return "TOKENLINE_BF16_TILES=0"
+    flags = cpu_flags()
+    if flags and "avx512_bf16" not in flags:
+        return "this CPU has no AVX512-BF16"
+    module = QUANT.module()
+    if module is None:
+        return "no C++ matmul kernels"
+    if not module.bf16_tiles_built():
+        return "the C++ matmul kernels were built without AVX512-BF16"
+    odd = sorted({k for k in in_features if k % 8})
+    if odd:
+        return f"input widths {odd} are not multiples of 8"
     return None
 
 

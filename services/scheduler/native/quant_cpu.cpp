@@ -21,6 +21,9 @@
 //
 // float32 tiles need no dequantizing: every call, from one row, runs run_groups straight from
 // the weights (float_linear), the register blocks the int8 path runs from its buffers.
+// bfloat16 tiles (bf16_linear, built where the CPU has AVX512-BF16) hold k in pairs,
+//   bf16  w   [T, K/2, 16, 2]          weight of channel 16t + c at k: w[t, k / 2, c, k % 2]
+// and run the same groups and blocks with bfloat16 activations in and out.
 //
 // The dequantized weight is what the reference computes: code * scale + min is one FMA, and
 // with a half scale the product is exact in float32 (8 + 11 bits), so the reference's single
@@ -40,6 +43,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -509,6 +513,93 @@ void float_block(int64_t nt, int64_t R, const float* x, int64_t ldx, const float
   return float_rows<1>(R, x, ldx, w, Kp, out, ldo, valid, ahead);
 }
 
+#ifdef __AVX512BF16__
+// bfloat16 tiles, w [T, K/2, 16, 2]: the 32 bits of lane c in row j of tile t hold channel
+// 16t + c's weights at k = 2j and 2j + 1, so one VDPBF16PS multiplies a tile row by a pair of
+// activations broadcast to every lane and adds both products into the channel's float32 sum
+// (the layout of AMX's B operand too). Against oneDNN's bfloat16 inner product, which has a
+// fixed cost of ~0.1 ms a call at 1-4 rows (on the AMX Xeon VM: a batch-1 step's 121
+// projections 14 ms in cache, its weights read in 9), the same register blocks as the float32
+// tiles, reading half their bytes. Sums are float32; the bias is added before the one
+// rounding to bfloat16 (what oneDNN does), denormal products flushed (VDPBF16PS's rule).
+template <int R>
+inline void store_bf16_rows(__m512 (&acc)[R][chains<R>()], uint16_t* out, int64_t ldo,
+                            const float* bias, int valid) {
+  const __mmask16 mask = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
+  const __m512 b = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    __m512 sum = acc[r][0];
+#pragma GCC unroll 4
+    for (int u = 1; u < chains<R>(); ++u) sum = _mm512_add_ps(sum, acc[r][u]);
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(sum, b));
+    _mm256_mask_storeu_epi16(out + r * ldo, mask, reinterpret_cast<const __m256i&>(h));
+  }
+}
+
+template <int NT, int R>
+void bf16_tiles(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, uint16_t* out,
+                int64_t ldo, const float* bias, int valid_last, Ahead ahead) {
+  constexpr int U = chains<R>();
+  __m512 acc[NT][R][U];
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) acc[t][r][u] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += 8) {  // four pairs of k a step (K a multiple of 8)
+    for (int64_t l = 0; l < ahead.per_step && ahead.p < ahead.end; ++l, ahead.p += 64)
+      _mm_prefetch(ahead.p, _MM_HINT_T1);
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {
+      __m512i wv[NT];
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t)
+        wv[t] = _mm512_loadu_si512(w + t * K * LANES + (k0 + 2 * i) * LANES);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, x + r * ldx + k0 + 2 * i, sizeof(pair));
+        const __m512i b = _mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t)
+          acc[t][r][i % U] = _mm512_dpbf16_ps(acc[t][r][i % U],
+                                              reinterpret_cast<const __m512bh&>(wv[t]),
+                                              reinterpret_cast<const __m512bh&>(b));
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t)
+    store_bf16_rows<R>(acc[t], out + t * LANES, ldo, bias == nullptr ? nullptr : bias + t * LANES,
+                       t == NT - 1 ? valid_last : 16);
+}
+
+template <int NT>
+void bf16_rows(int64_t R, const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K,
+               uint16_t* out, int64_t ldo, const float* bias, int valid, Ahead ahead) {
+  switch (R) {
+    case 8: return bf16_tiles<NT, 8>(x, ldx, w, K, out, ldo, bias, valid, ahead);
+    case 7: return bf16_tiles<NT, 7>(x, ldx, w, K, out, ldo, bias, valid, ahead);
+    case 6: return bf16_tiles<NT, 6>(x, ldx, w, K, out, ldo, bias, valid, ahead);
+    case 5: return bf16_tiles<NT, 5>(x, ldx, w, K, out, ldo, bias, valid, ahead);
+    case 4: return bf16_tiles<NT, 4>(x, ldx, w, K, out, ldo, bias, valid, ahead);
+    case 3: return bf16_tiles<NT, 3>(x, ldx, w, K, out, ldo, bias, valid, ahead);
+    case 2: return bf16_tiles<NT, 2>(x, ldx, w, K, out, ldo, bias, valid, ahead);
+    default: return bf16_tiles<NT, 1>(x, ldx, w, K, out, ldo, bias, valid, ahead);
+  }
+}
+
+void bf16_block(int64_t nt, int64_t R, const uint16_t* x, int64_t ldx, const uint16_t* w,
+                int64_t K, uint16_t* out, int64_t ldo, const float* bias, int valid,
+                Ahead ahead) {
+  if (nt == 3) return bf16_rows<3>(R, x, ldx, w, K, out, ldo, bias, valid, ahead);
+  if (nt == 2) return bf16_rows<2>(R, x, ldx, w, K, out, ldo, bias, valid, ahead);
+  return bf16_rows<1>(R, x, ldx, w, K, out, ldo, bias, valid, ahead);
+}
+#endif
+
 // Batch rows are taken in blocks of 8, then whatever is left (1-7), in both paths.
 inline int64_t block_rows(int64_t left) { return std::min<int64_t>(left, 8); }
 
@@ -563,6 +654,11 @@ struct CodeTiles {
     for (int64_t b = 0; b < nt * scales_per_tile() * int64_t(sizeof(S)); b += 64)
       __builtin_prefetch(s + b, 0, 2);
   }
+  int64_t steps() const { return Kp / 4; }  // of a block's k loop (Ahead's per_step)
+  void block(int64_t nt, int64_t R, const float* x, int64_t ldx, const float* w, float* out,
+             int64_t ldo, int64_t, int valid, Ahead ahead) const {
+    float_block(nt, R, x, ldx, w, Kp, out, ldo, valid, ahead);
+  }
 };
 
 // float32 weights already in tiles ([T, Kp, 16]): run where they lie, nothing to convert.
@@ -575,7 +671,34 @@ struct FloatTiles {
   const char* bytes(int64_t t) const { return reinterpret_cast<const char*>(w + t * Kp * LANES); }
   int64_t bytes_per_tile() const { return Kp * LANES * int64_t(sizeof(float)); }
   void prefetch_now(int64_t, int64_t) const {}
+  int64_t steps() const { return Kp / 4; }
+  void block(int64_t nt, int64_t R, const float* x, int64_t ldx, const float* w, float* out,
+             int64_t ldo, int64_t, int valid, Ahead ahead) const {
+    float_block(nt, R, x, ldx, w, Kp, out, ldo, valid, ahead);
+  }
 };
+
+#ifdef __AVX512BF16__
+// bfloat16 weights in tiles of 16 channels with k in pairs ([T, K/2, 16, 2], bf16_tiles): run
+// where they lie, x in bfloat16, out in bfloat16 with the bias (float32) added before rounding.
+struct Bf16Src {
+  static constexpr bool kBuffered = false;
+  const uint16_t* w;
+  int64_t K;
+  const float* bias;
+
+  const uint16_t* weights(int64_t t, int64_t, float*) const { return w + t * K * LANES; }
+  const char* bytes(int64_t t) const { return reinterpret_cast<const char*>(weights(t, 0, nullptr)); }
+  int64_t bytes_per_tile() const { return K * LANES * int64_t(sizeof(uint16_t)); }
+  void prefetch_now(int64_t, int64_t) const {}
+  int64_t steps() const { return K / 8; }
+  void block(int64_t nt, int64_t R, const uint16_t* x, int64_t ldx, const uint16_t* w,
+             uint16_t* out, int64_t ldo, int64_t col, int valid, Ahead ahead) const {
+    bf16_block(nt, R, x, ldx, w, K, out, ldo, bias == nullptr ? nullptr : bias + col, valid,
+               ahead);
+  }
+};
+#endif
 
 // The tiles in groups of FLOAT_TILES, each group's weights made float32 once per call (or read
 // as they are) and every row of x (row r at x + r * ldx) then run against them, as the caller
@@ -585,9 +708,9 @@ struct FloatTiles {
 // not half the call. The next group's weights are prefetched while one runs (Ahead). Before,
 // rows went in chunks of 64, each packed and then run by all tiles: a 2,048-row prefill
 // dequantized every tile 32 times and woke the threads 64 times per call.
-template <typename Src>
-void run_groups(const Src& src, const float* x, int64_t ldx, int64_t M, int64_t Kp, int64_t N,
-                int64_t T, float* out) {
+template <typename Src, typename X, typename O>
+void run_groups(const Src& src, const X* x, int64_t ldx, int64_t M, int64_t Kp, int64_t N,
+                int64_t T, O* out) {
   const int64_t groups = (T + FLOAT_TILES - 1) / FLOAT_TILES;
   const int64_t blocks = (M + 7) / 8;
   std::atomic<int64_t> next{0};
@@ -602,7 +725,7 @@ void run_groups(const Src& src, const float* x, int64_t ldx, int64_t M, int64_t 
       const int64_t g_next = next.fetch_add(1, std::memory_order_relaxed);
       const int64_t t = g * FLOAT_TILES, nt = std::min(FLOAT_TILES, T - t);
       const int valid = static_cast<int>(std::min(LANES, N - (t + nt - 1) * LANES));
-      const float* w = src.weights(t, nt, wbuf.data());
+      const auto* w = src.weights(t, nt, wbuf.data());
       // its weight bytes spread evenly over this group's blocks and their k loops (asked for
       // all at once they overflow the misses a core can have in flight: measured slower at 16
       // rows); what a source wants at once (int8's scales, an eighth of that at most), now
@@ -614,7 +737,7 @@ void run_groups(const Src& src, const float* x, int64_t ldx, int64_t M, int64_t 
         ahead.p = src.bytes(t_next);
         ahead.end = ahead.p + nt_next * src.bytes_per_tile();
         slice = ((nt_next * src.bytes_per_tile() + 63) / 64 + blocks - 1) / blocks * 64;
-        ahead.per_step = (slice / 64 + Kp / 4 - 1) / (Kp / 4);
+        ahead.per_step = (slice / 64 + src.steps() - 1) / src.steps();
       }
       for (int64_t b = 0; b < blocks; ++b) {
         Ahead part = ahead;
@@ -628,8 +751,8 @@ void run_groups(const Src& src, const float* x, int64_t ldx, int64_t M, int64_t 
         const int64_t r0 = b * 8;
         for (int64_t r = r0 + 8; r < std::min(M, r0 + 16); ++r)
           for (int64_t i = 0; i < nt; ++i) __builtin_prefetch(out + r * N + (t + i) * LANES, 1, 3);
-        float_block(nt, block_rows(M - r0), x + r0 * ldx, ldx, w, Kp,
-                    out + r0 * N + t * LANES, N, valid, part);
+        src.block(nt, block_rows(M - r0), x + r0 * ldx, ldx, w, out + r0 * N + t * LANES, N,
+                  t * LANES, valid, part);
       }
       g = g_next;
     }
@@ -743,6 +866,49 @@ torch::Tensor float_linear(const torch::Tensor& x, const torch::Tensor& w,
   return out;
 }
 
+// bfloat16 weights in tiles with k in pairs, w [T, K/2, 16, 2] (K a multiple of 8; x [M, K]
+// bfloat16 with unit stride along K, rows at any stride): x @ w.T (+ bias, float32 [N]) in
+// bfloat16, float32 sums, every call from one row through the same groups of three tiles as
+// float_linear. Built only where the CPU has AVX512-BF16 (bf16_tiles_built).
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w,
+                          const std::optional<torch::Tensor>& bias, int64_t N) {
+#ifdef __AVX512BF16__
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16 && x.stride(1) == 1,
+              "x must be bfloat16 [M, K] with unit stride along K");
+  TORCH_CHECK(w.dim() == 4 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous() &&
+                  w.size(2) == LANES && w.size(3) == 2 && w.size(1) * 2 == x.size(1) &&
+                  x.size(1) % 8 == 0,
+              "weight tiles must be contiguous bfloat16 [T, K/2, 16, 2] with x's K, a "
+              "multiple of 8");
+  TORCH_CHECK(w.size(0) * LANES >= N && (w.size(0) - 1) * LANES < N, "N does not match tiles");
+  const float* b = nullptr;
+  if (bias) {
+    TORCH_CHECK(bias->dim() == 1 && bias->numel() == N && bias->scalar_type() == torch::kFloat &&
+                    bias->is_contiguous(),
+                "bias must be float32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const int64_t M = x.size(0), K = x.size(1);
+  auto out = torch::empty({M, N}, x.options());
+  if (M > 0)
+    run_groups(Bf16Src{reinterpret_cast<const uint16_t*>(w.data_ptr()), K, b},
+               reinterpret_cast<const uint16_t*>(x.data_ptr()), x.stride(0), M, K, N, w.size(0),
+               reinterpret_cast<uint16_t*>(out.data_ptr()));
+  return out;
+#else
+  TORCH_CHECK(false, "bf16_linear: the C++ kernels were built without AVX512-BF16");
+  return x;
+#endif
+}
+
+bool bf16_tiles_built() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
 // The limit under which 1-3 row calls run on the calling thread; returns the previous one.
 int64_t set_one_thread_bytes(int64_t bytes) {
   TORCH_CHECK(bytes >= 0, "one_thread_bytes must be >= 0");
@@ -779,6 +945,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x @ w.T for int4 group-32 scale+min weight tiles");
   m.def("float_linear", &float_linear, "x @ w.T (+ bias) for float32 weight tiles",
         py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("n"));
+  m.def("bf16_linear", &bf16_linear, "x @ w.T (+ bias) for bfloat16 weight tiles (AVX512-BF16)",
+        py::arg("x"), py::arg("w"), py::arg("bias") = py::none(), py::arg("n"));
+  m.def("bf16_tiles_built", &bf16_tiles_built, "whether bf16_linear was compiled in");
   m.def("set_one_thread_bytes", &set_one_thread_bytes,
         "weight bytes x rows under which 1-3 row calls stay on the calling thread (0: never)");
   m.def("one_thread_bytes_default", &one_thread_bytes_default,
