@@ -224,18 +224,24 @@ def test_adapters_past_the_bound_are_evicted_and_read_back(tiny_model_dir, adapt
 
 
 def test_smollm2_adapter_matches_peft(smol_path, tmp_path):
-    """The real model: an adapter on every projection, within 1e-3 of peft's logits (float32;
-    the base alone is within about 1e-4 of transformers, test_model_logits.py)."""
+    """The real model: an adapter on every projection, our float32 logits within 1e-3 of peft's
+    run in float64, and at most twice as far from it as peft's own float32 run (float32 sums in
+    another order: against peft's float32 itself the gap was 1.2e-3 to 2.9e-3 depending on the
+    CPU's kernels, AVX2 EPYC and AMX Xeon)."""
     config = dict(r=16, lora_alpha=32, target_modules=list(TARGETS_ALL))
     model = peft_model(smol_path, config, seed=7)
     model.save_pretrained(str(tmp_path / "smol"))
     ids = list(range(1000, 1040))
     with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits[0]
+        ref32 = model(torch.tensor([ids])).logits[0]
+        ref64 = model.double()(torch.tensor([ids])).logits[0]
     runner = ModelRunner(smol_path, max_total_tokens=512, device="cpu", dtype="float32")
     runner.enable_lora({"smol": tmp_path / "smol"}, max_rank=16, max_per_batch=1)
     ours = runner.forward([Seq(ids, block_table=[0, 1, 2], lora_name="smol")], [40], [40])
-    assert (ours - ref).abs().max().item() < 1e-3
+    ours_err = (ours.double() - ref64).abs().max().item()
+    peft_err = (ref32.double() - ref64).abs().max().item()
+    print(f"max |logit - float64|: ours {ours_err:.3g}, peft float32 {peft_err:.3g}")
+    assert ours_err < 1e-3 and ours_err <= 2 * peft_err
 
 
 TARGETS_ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
