@@ -87,6 +87,9 @@ class Service:
         self.spawn(self._measure_rtt())
         log.info(f"{self.name} ready", instance_id=self.instance_id)
         await self._stop.wait()
+        # the spans of requests already answered go out first, then whatever the shutdown ends
+        # (a bus drain under load can outlast the launcher's 10 s grace: SIGKILL loses the rest)
+        await asyncio.get_running_loop().run_in_executor(None, tracing.flush)
         await self.shutdown()
         tracing.shutdown()  # last: spans ended while shutting down still go out
 

@@ -112,6 +112,13 @@ def setup(service: str, args: ServerArgs, instance_id: str | None = None) -> boo
     return True
 
 
+def flush(timeout_s: float = 5.0) -> None:
+    """Export what is buffered now (a service about to stop: its drain may outlast the
+    launcher's grace and end in SIGKILL, and what was flushed first is out by then)."""
+    if _provider is not None:
+        _provider.force_flush(int(timeout_s * 1000))
+
+
 def shutdown(timeout_s: float = 5.0) -> None:
     """Export what is still buffered (called as a service stops)."""
     global _tracer, _provider
