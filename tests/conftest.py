@@ -37,7 +37,7 @@ FAST_PATH_CALLS: Counter[str] = Counter()
 
 
 def _count_fast_paths() -> None:
-    from services.scheduler.attention import triton_backend
+    from services.scheduler.attention import cascade, triton_backend
     from services.scheduler.attention.torch_backend import TorchBackend
     from services.scheduler.models import layers, linear, lora, quant
     from services.scheduler.native import ops
@@ -84,6 +84,8 @@ def _count_fast_paths() -> None:
     lora.kernel_add = count(lambda *_: "C++ LoRA kernel", lora.kernel_add)
     lora.torch_add = count(lambda *_: "torch LoRA (prefill rows, or the fallback)",
                            lora.torch_add)
+    cascade.attend = count(lambda *_: "torch flash cascade decode (shared prefixes)",
+                           cascade.attend)
     triton_backend.TritonBackend.forward = count(
         lambda self, q, *_: f"Triton attention ({'CUDA' if q.is_cuda else 'interpreter'})",
         triton_backend.TritonBackend.forward)

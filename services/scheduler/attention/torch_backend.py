@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from common.logging import get_logger
+from services.scheduler.attention import cascade
 from services.scheduler.attention.base import AttentionBackend, AttentionMetadata
 from services.scheduler.native import DECODE, PREFILL, NativeKernels
 
@@ -136,6 +137,11 @@ class _Plan:
     lens: torch.Tensor | None = None
     # the requests with several new tokens that run SDPA (see TorchBackend.sdpa)
     sdpa_rows: list[int] = field(default_factory=list)
+    # decode rows sharing a long cached prefix (cascade.py), and the decode rows outside them
+    # (requests, their rows in q) for the C++ kernel
+    cascades: list[cascade.Cascade] = field(default_factory=list)
+    rest_rows: torch.Tensor | None = None
+    rest_tokens: torch.Tensor | None = None
 
     @property
     def decode_only(self) -> bool:
@@ -163,6 +169,8 @@ def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
                  sdpa_rows=sdpa_rows)
     plan.tables = meta.block_tables.to(torch.int32).contiguous()  # no copy if they are already
     plan.lens = meta.seq_lens.to(torch.int32).contiguous()
+    if not groups:  # the C++ decode kernel's step: rows that share a long prefix go together
+        _plan_cascades(plan, meta, dtype, device)
     for g in range(0, len(order) if groups else 0, DECODE_GROUP):
         reqs = [rows[i] for i in order[g : g + DECODE_GROUP]]
         num_blocks = -(-max(lens[b] for b in reqs) // p)
@@ -186,6 +194,17 @@ def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
             windowed={},
         ))
     return plan
+
+
+def _plan_cascades(plan: _Plan, meta: AttentionMetadata, dtype: torch.dtype,
+                   device: torch.device) -> None:
+    """The decode rows that share a long prefix (cascade.py), and the rest, for the kernel."""
+    rows, tokens = plan.decode_rows, plan.decode_tokens
+    plan.cascades = cascade.plan_cascades(meta, rows, tokens, dtype)
+    grouped = {int(b) for c in plan.cascades for b in c.requests.tolist()}
+    rest = [i for i, b in enumerate(rows) if b not in grouped]
+    plan.rest_rows = torch.tensor([rows[i] for i in rest], dtype=torch.long, device=device)
+    plan.rest_tokens = torch.tensor([tokens[i] for i in rest], dtype=torch.long, device=device)
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, page_size: int,
@@ -237,18 +256,24 @@ class TorchBackend(AttentionBackend):
                 self.sdpa if self.use_native_prefill else None)
         plan = self._plan
         assert plan is not None
-        if plan.decode_only and self.use_native:  # one C++ call: the cache writes and attention
+        cascading = bool(plan.cascades) and window is None
+        if plan.decode_only and self.use_native and not cascading:
+            # one C++ call: the cache writes and attention
             return self._decode(q, k_cache, v_cache, meta, plan, scale, window, new=(k, v))
         if self.use_native:
             cpu_kernels().write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         else:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
-        if plan.decode_only:
+        if plan.decode_only and not cascading:
             return self._decode(q, k_cache, v_cache, meta, plan, scale, window)
         out = torch.empty_like(q)
+        if cascading:
+            for c in plan.cascades:
+                self._cascade(c, q, k_cache, v_cache, meta.page_size, scale, out)
         if plan.decode_rows and self.use_native:  # straight from q's rows into out's
-            self._decode(q, k_cache, v_cache, meta, plan, scale, window, out=out)
+            self._decode(q, k_cache, v_cache, meta, plan, scale, window, out=out,
+                         rest=cascading)
         elif plan.decode_rows:
             tokens = plan.decode_tokens
             out[tokens] = self._decode(q[tokens], k_cache, v_cache, meta, plan, scale, window)
@@ -280,16 +305,21 @@ class TorchBackend(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan, scale: float,
                 window: int | None, new: tuple[torch.Tensor, torch.Tensor] | None = None,
-                out: torch.Tensor | None = None):
+                out: torch.Tensor | None = None, rest: bool = False):
         """One new token per decode row; q[i] and the result's row i are decode_rows[i]'s.
 
         Native only: `new` (a decode-only step's k, v) is written to the cache in the same call;
-        with `out` (a mixed step), q and out are the whole step's rows and the kernel reads and
-        writes the decode rows' own (plan.tokens)."""
+        with `out` (a mixed step, or a step with cascades), q and out are the whole step's rows
+        and the kernel reads and writes the decode rows' own (plan.tokens; with `rest`, only
+        those outside the cascades)."""
         if self.use_native:
             k, v = new if new is not None else (None, None)
             slots = meta.slot_mapping if new is not None else None
             rows, tokens = (plan.rows, plan.tokens) if out is not None else (None, None)
+            if rest:
+                rows, tokens = plan.rest_rows, plan.rest_tokens
+                if rows is None or rows.numel() == 0:
+                    return out
             return cpu_kernels().decode(q, k_cache, v_cache, plan.tables, plan.lens,
                                         meta.page_size, scale, window or 0, k, v, slots, rows,
                                         tokens, out)
@@ -313,6 +343,19 @@ class TorchBackend(AttentionBackend):
             )
             out_sorted[g.start : g.end] = o.squeeze(2)
         return torch.empty_like(q).index_copy_(0, plan.order, out_sorted)
+
+    def _cascade(self, c: cascade.Cascade, q, k_cache, v_cache, page_size: int, scale: float,
+                 out: torch.Tensor) -> None:
+        """One group of rows sharing a prefix (cascade.py): its blocks and the rows' tails
+        gathered into the workspace, one after the other, then attended."""
+        shared = c.shared_ids.numel()
+        kbuf, vbuf = self._buffers(k_cache, shared + c.tail_ids.numel(), page_size)
+        row = page_size * k_cache.shape[1] * k_cache.shape[2]
+        keys = _gather(k_cache, c.shared_ids, page_size, kbuf)
+        values = _gather(v_cache, c.shared_ids, page_size, vbuf)
+        tail_keys = _gather(k_cache, c.tail_ids, page_size, kbuf[shared * row:])
+        tail_values = _gather(v_cache, c.tail_ids, page_size, vbuf[shared * row:])
+        cascade.attend(c, q, keys, values, tail_keys, tail_values, scale, out)
 
     def _extend(self, qh, k_cache, v_cache, meta: AttentionMetadata, b: int, scale: float,
                 window: int | None):

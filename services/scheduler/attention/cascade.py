@@ -1,0 +1,128 @@
+"""Decode attention over a prefix that many requests share, attended once (cascade attention).
+
+A burst of requests behind one long document (issue 45's shared-doc: 32 questions after the
+same 3,000 tokens) holds the document's cached blocks in every request's block table. The C++
+decode kernel attends each request on its own, so every step scores the document once per
+request: on the AMX Xeon VM 69 ms of a 30-layer bfloat16 step at 32 requests, most of it.
+
+Here the decode rows whose tables start with the same blocks are a group, and a layer runs
+
+    shared:  the group's queries stacked, [1, Hkv, k * G, D]  x  the shared blocks' K, V once
+    tails:   each row's own blocks after them, [k, Hkv, G, D]  x  its tail (masked past its end)
+
+both through torch's CPU flash kernel (`_scaled_dot_product_flash_attention_for_cpu`: float32
+scores and softmax, bfloat16 products on AMX where the CPU has it, and each row's log-sum-exp
+out), then merges the two parts of every row by their log-sum-exps, as the C++ kernel merges
+the pieces of a long row. The rest of the step's decode rows go to the C++ kernel as before.
+Sliding-window layers keep the kernel for every row (a shared prefix is not the window's).
+`TOKENLINE_CASCADE=0` turns this off.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from services.scheduler.attention.base import AttentionMetadata
+
+# A group is attended this way from this many rows sharing this many positions, and rows x
+# shared positions at least MIN_PAIRS in its dtype: below, the extra calls per layer (two flash
+# calls, the gathers, the merge: ~0.17 ms) cost more than they save. One layer of SmolLM2's
+# heads, the kernel's time over this path's (AMX Xeon VM, 2 threads, blocks in cache):
+# bfloat16 16 x 2,048 0.99x, 16 x 3,072 1.11x, 32 x 1,536 1.31x, 32 x 3,072 1.80x, 64 x 2,048
+# 2.07x, 8 x 3,072 0.71x; float32 24 x 3,072 0.97x, 64 x 1,024 1.02x, 32 x 3,072 1.31x, 64 x
+# 2,048 1.36x (the flash kernel's float32 products are not AMX's).
+CASCADE_MIN_ROWS = 4
+CASCADE_MIN_TOKENS = 256
+MIN_PAIRS = {torch.bfloat16: 48 * 1024, torch.float32: 96 * 1024}
+
+
+def enabled() -> bool:
+    setting = os.environ.get("TOKENLINE_CASCADE", "1")
+    if setting not in ("0", "1"):
+        raise ValueError(f"TOKENLINE_CASCADE must be 0 or 1, not {setting!r}")
+    return setting == "1"
+
+
+@dataclass
+class Cascade:
+    """Decode rows that share their first `shared_ids` blocks."""
+
+    requests: torch.Tensor  # int64 [k]: the rows' requests (batch indices)
+    tokens: torch.Tensor  # int64 [k]: their rows in q and out
+    shared_ids: torch.Tensor  # int64 [S]: the shared blocks, in order
+    tail_ids: torch.Tensor  # int64 [k * T]: each row's blocks after them (padded, masked)
+    tail_len: int  # T * page_size
+    mask: torch.Tensor  # [k, 1, 1, tail_len] additive, 0 or -inf past each row's end
+
+
+def plan_cascades(meta: AttentionMetadata, rows: list[int], tokens: list[int],
+                  dtype: torch.dtype) -> list[Cascade]:
+    """The groups of decode rows (`rows`: batch indices, `tokens`: their rows in q) that share
+    at least CASCADE_MIN_TOKENS cached positions, CASCADE_MIN_ROWS rows or more each, and rows x
+    positions of MIN_PAIRS or more."""
+    if len(rows) < CASCADE_MIN_ROWS or not enabled():
+        return []
+    p, lens = meta.page_size, meta.seq_lens_cpu
+    tables = meta.block_tables
+    rows_t = torch.tensor(rows, dtype=torch.long, device=tables.device)
+    first = tables[rows_t, 0]
+    out = []
+    for block in first.unique().tolist():
+        members = (first == block).nonzero().flatten()
+        if block < 0 or members.numel() < CASCADE_MIN_ROWS:
+            continue
+        reqs = rows_t[members]
+        seq = [lens[b] for b in reqs.tolist()]
+        limit = (min(seq) - 1) // p  # whole blocks before every row's newest position
+        same = (tables[reqs, :limit] == tables[reqs[0], :limit]).all(0).int().cumprod(0)
+        shared = int(same.sum().item()) if limit > 0 else 0
+        if shared * p < CASCADE_MIN_TOKENS or (
+            members.numel() * shared * p < MIN_PAIRS.get(dtype, MIN_PAIRS[torch.float32])
+        ):
+            continue
+        out.append(_cascade(meta, reqs, [tokens[i] for i in members.tolist()], seq, shared,
+                            dtype))
+    return out
+
+
+def _cascade(meta: AttentionMetadata, reqs: torch.Tensor, tokens: list[int], seq: list[int],
+             shared: int, dtype: torch.dtype) -> Cascade:
+    p, tables = meta.page_size, meta.block_tables
+    blocks = max(-(-n // p) for n in seq) - shared
+    tail = tables[reqs, shared : shared + blocks].clamp(min=0)  # -1 past a row's end: masked
+    span = torch.arange(blocks * p, device=tables.device)
+    left = torch.tensor(seq, device=tables.device) - shared * p
+    mask = torch.zeros(len(seq), blocks * p, dtype=dtype, device=tables.device)
+    mask.masked_fill_(span[None, :] >= left[:, None], float("-inf"))
+    return Cascade(reqs, torch.tensor(tokens, dtype=torch.long, device=tables.device),
+                   tables[reqs[0], :shared].long(), tail.reshape(-1).long(), blocks * p,
+                   mask[:, None, None, :])
+
+
+def attend(c: Cascade, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           tail_keys: torch.Tensor, tail_values: torch.Tensor, scale: float,
+           out: torch.Tensor) -> None:
+    """The group's rows of `out` ([T, Hq, D]) from q's ([T, Hq, D]); `keys`/`values`: the
+    shared blocks gathered, [S * page, Hkv, D]; `tail_keys`/`tail_values`: the rows' tails
+    gathered, [k * tail_len, Hkv, D]."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    k = c.tokens.numel()
+    hkv, d = keys.shape[1], keys.shape[2]
+    g = q.shape[1] // hkv
+    qm = q.index_select(0, c.tokens).view(k, hkv, g, d)
+    stacked = qm.permute(1, 0, 2, 3).reshape(1, hkv, k * g, d)
+    o_s, lse_s = flash(stacked, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], 0.0,
+                       False, scale=scale)
+    o_s = o_s.view(hkv, k, g, d).permute(1, 0, 2, 3)  # [k, Hkv, G, D]
+    lse_s = lse_s.view(hkv, k, g).permute(1, 0, 2)
+    shape = (k, c.tail_len, hkv, d)
+    o_t, lse_t = flash(qm, tail_keys.view(shape).transpose(1, 2),
+                       tail_values.view(shape).transpose(1, 2), 0.0, False, attn_mask=c.mask,
+                       scale=scale)
+    lse = torch.logaddexp(lse_s, lse_t)
+    merged = (o_s.float() * torch.exp(lse_s - lse).unsqueeze(-1)
+              + o_t.float() * torch.exp(lse_t - lse).unsqueeze(-1))
+    out.index_copy_(0, c.tokens, merged.reshape(k, hkv * g, d).to(out.dtype))
