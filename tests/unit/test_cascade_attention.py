@@ -22,15 +22,20 @@ def kernels():
 
 
 def shared_step(page: int, hq: int, hkv: int, d: int, shared_blocks: int, tails: list[int],
-                others: list[int], prefill: int, seed: int):
+                others: list[int], prefill: int, seed: int, consecutive: bool = False):
     """len(tails) requests whose tables start with the same `shared_blocks` blocks, then tails[i]
     positions of their own (the newest being this step's), `others` requests sharing nothing
-    (their lengths), and with `prefill` > 0 one request of that many new tokens: a mixed step."""
+    (their lengths), and with `prefill` > 0 one request of that many new tokens: a mixed step;
+    the shared blocks anywhere in the pool, or with `consecutive` one after the other."""
     gen = torch.Generator().manual_seed(seed)
     own = [-(-t // page) for t in tails] + [-(-n // page) for n in others]
     own.append(-(-prefill // page))
     pool = torch.randperm(shared_blocks + sum(own) + 2, generator=gen).tolist()
-    common = [pool.pop() for _ in range(shared_blocks)]
+    if consecutive:  # blocks 1 .. shared_blocks, the rest shuffled
+        common = list(range(1, shared_blocks + 1))
+        pool = [b for b in pool if b not in common]
+    else:
+        common = [pool.pop() for _ in range(shared_blocks)]
     spans = ([(shared_blocks * page + t - 1, 1) for t in tails] + [(n - 1, 1) for n in others]
              + ([(0, prefill)] if prefill else []))
     tables = torch.full((len(spans), shared_blocks + max(own) + 1), -1, dtype=torch.int32)
@@ -53,15 +58,16 @@ def shared_step(page: int, hq: int, hkv: int, d: int, shared_blocks: int, tails:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("prefill", [0, 40])
+@pytest.mark.parametrize("prefill,consecutive", [(0, False), (40, False), (0, True)])
 @pytest.mark.parametrize("page,hq,hkv,d", [(16, 9, 3, 64), (16, 8, 8, 64), (32, 8, 2, 128)])
-def test_shared_prefix_rows_match_the_kernel_row_by_row(monkeypatch, dtype, prefill, page, hq,
-                                                        hkv, d):
+def test_shared_prefix_rows_match_the_kernel_row_by_row(monkeypatch, dtype, prefill,
+                                                        consecutive, page, hq, hkv, d):
     # a tail of one position (the newest), of a whole block...: 24 rows
     tails = [1, 5, 16, 17, 40, 33] * 4
     monkeypatch.setattr(cascade, "MIN_PAIRS", EVERY_GROUP)
     q, k, v, k_cache, v_cache, meta = shared_step(page, hq, hkv, d, 512 // page, tails,
-                                                  [300, 20, 700], prefill, seed=hq + d + prefill)
+                                                  [300, 20, 700], prefill, seed=hq + d + prefill,
+                                                  consecutive=consecutive)
     q, k, v, k_cache, v_cache = (x.to(dtype) for x in (q, k, v, k_cache, v_cache))
     scale = d**-0.5
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
@@ -73,6 +79,7 @@ def test_shared_prefix_rows_match_the_kernel_row_by_row(monkeypatch, dtype, pref
     c = plan.cascades[0]
     assert c.requests.tolist() == list(range(len(tails)))
     assert c.shared_ids.numel() == 512 // page
+    assert c.shared_start == (1 if consecutive else None)  # read in place, or gathered
     assert plan.rest_rows.tolist() == [24, 25, 26]  # the others: the kernel as before
     monkeypatch.setenv("TOKENLINE_CASCADE", "0")
     kernel = TorchBackend(use_native=True, use_native_prefill=True)

@@ -56,6 +56,9 @@ class Cascade:
     tail_ids: torch.Tensor  # int64 [k * T]: each row's blocks after them (padded, masked)
     tail_len: int  # T * page_size
     mask: torch.Tensor  # [k, 1, 1, tail_len] additive, 0 or -inf past each row's end
+    # the first shared block when the shared blocks are consecutive in the pool (a document
+    # prefilled in one go usually is): then its K and V are read in place, not gathered
+    shared_start: int | None = None
 
 
 def plan_cascades(meta: AttentionMetadata, rows: list[int], tokens: list[int],
@@ -97,9 +100,11 @@ def _cascade(meta: AttentionMetadata, reqs: torch.Tensor, tokens: list[int], seq
     left = torch.tensor(seq, device=tables.device) - shared * p
     mask = torch.zeros(len(seq), blocks * p, dtype=dtype, device=tables.device)
     mask.masked_fill_(span[None, :] >= left[:, None], float("-inf"))
-    return Cascade(reqs, torch.tensor(tokens, dtype=torch.long, device=tables.device),
-                   tables[reqs[0], :shared].long(), tail.reshape(-1).long(), blocks * p,
-                   mask[:, None, None, :])
+    ids = tables[reqs[0], :shared].long()
+    consecutive = bool((ids.diff() == 1).all()) if shared > 1 else True
+    return Cascade(reqs, torch.tensor(tokens, dtype=torch.long, device=tables.device), ids,
+                   tail.reshape(-1).long(), blocks * p, mask[:, None, None, :],
+                   int(ids[0]) if consecutive else None)
 
 
 def attend(c: Cascade, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

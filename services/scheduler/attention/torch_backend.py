@@ -351,8 +351,12 @@ class TorchBackend(AttentionBackend):
         shared = c.shared_ids.numel()
         kbuf, vbuf = self._buffers(k_cache, shared + c.tail_ids.numel(), page_size)
         row = page_size * k_cache.shape[1] * k_cache.shape[2]
-        keys = _gather(k_cache, c.shared_ids, page_size, kbuf)
-        values = _gather(v_cache, c.shared_ids, page_size, vbuf)
+        if c.shared_start is not None:  # consecutive blocks: read where they lie
+            span = slice(c.shared_start * page_size, (c.shared_start + shared) * page_size)
+            keys, values = k_cache[span], v_cache[span]
+        else:
+            keys = _gather(k_cache, c.shared_ids, page_size, kbuf)
+            values = _gather(v_cache, c.shared_ids, page_size, vbuf)
         tail_keys = _gather(k_cache, c.tail_ids, page_size, kbuf[shared * row:])
         tail_values = _gather(v_cache, c.tail_ids, page_size, vbuf[shared * row:])
         cascade.attend(c, q, keys, values, tail_keys, tail_values, scale, out)
