@@ -22,14 +22,18 @@ def kernels():
 
 
 def shared_step(page: int, hq: int, hkv: int, d: int, shared_blocks: int, tails: list[int],
-                others: list[int], prefill: int, seed: int, consecutive: bool = False):
+                others: list[int], prefill: int, seed: int, consecutive: bool = False,
+                prompts: tuple[tuple[int, int], ...] = ()):
     """len(tails) requests whose tables start with the same `shared_blocks` blocks, then tails[i]
     positions of their own (the newest being this step's), `others` requests sharing nothing
     (their lengths), and with `prefill` > 0 one request of that many new tokens: a mixed step;
-    the shared blocks anywhere in the pool, or with `consecutive` one after the other."""
+    the shared blocks anywhere in the pool, or with `consecutive` one after the other; then
+    `prompts`, requests behind the same shared blocks with (cached positions of their own after
+    them, new tokens)."""
     gen = torch.Generator().manual_seed(seed)
     own = [-(-t // page) for t in tails] + [-(-n // page) for n in others]
     own.append(-(-prefill // page))
+    own += [-(-(c + n) // page) for c, n in prompts]
     pool = torch.randperm(shared_blocks + sum(own) + 2, generator=gen).tolist()
     if consecutive:  # blocks 1 .. shared_blocks, the rest shuffled
         common = list(range(1, shared_blocks + 1))
@@ -37,11 +41,13 @@ def shared_step(page: int, hq: int, hkv: int, d: int, shared_blocks: int, tails:
     else:
         common = [pool.pop() for _ in range(shared_blocks)]
     spans = ([(shared_blocks * page + t - 1, 1) for t in tails] + [(n - 1, 1) for n in others]
-             + ([(0, prefill)] if prefill else []))
+             + ([(0, prefill)] if prefill else [])
+             + [(shared_blocks * page + c, n) for c, n in prompts])
+    sharing = set(range(len(tails))) | set(range(len(spans) - len(prompts), len(spans)))
     tables = torch.full((len(spans), shared_blocks + max(own) + 1), -1, dtype=torch.int32)
     slots = []
     for b, (c, n) in enumerate(spans):
-        first = common if b < len(tails) else []
+        first = common if b in sharing else []
         blocks = first + [pool.pop() for _ in range(-(-(c + n) // page) - len(first))]
         tables[b, : len(blocks)] = torch.tensor(blocks)
         slots += [blocks[p // page] * page + p % page for p in range(c, c + n)]
@@ -124,3 +130,31 @@ def test_short_or_small_groups_and_windows_stay_in_the_kernel(monkeypatch):
     monkeypatch.setenv("TOKENLINE_CASCADE", "yes")
     with pytest.raises(ValueError, match="TOKENLINE_CASCADE must be 0 or 1, not 'yes'"):
         cascade.enabled()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("consecutive", [False, True])
+def test_prompts_behind_a_shared_prefix_match_the_kernels(monkeypatch, dtype, consecutive):
+    """A burst's questions after one document: their new tokens attend the shared blocks once,
+    stacked, and their own positions causally (with a cached tail of their own, or none), the
+    same numbers as the prefill kernel's and the plain-torch path's; decode rows beside them."""
+    monkeypatch.setattr(cascade, "MIN_PAIRS", EVERY_GROUP)
+    prompts = ((0, 20), (0, 47), (5, 16), (30, 33), (16, 2))
+    q, k, v, k_cache, v_cache, meta = shared_step(16, 9, 3, 64, 20, [1, 3, 7, 20], [50], 0,
+                                                  seed=9, consecutive=consecutive,
+                                                  prompts=prompts)
+    q, k, v, k_cache, v_cache = (x.to(dtype) for x in (q, k, v, k_cache, v_cache))
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
+    monkeypatch.setenv("TOKENLINE_CASCADE", "1")
+    backend = TorchBackend(use_native=True, use_native_prefill=True)
+    got = backend.forward(q, k, v, *caches[0], meta, 0.125)
+    plan = backend._plan
+    assert len(plan.extend_cascades) == 1 and len(plan.extend_cascades[0].spans) == 5
+    assert plan.prefill_rest.numel() == 0 and len(plan.cascades) == 1
+    monkeypatch.setenv("TOKENLINE_CASCADE", "0")
+    want = TorchBackend(use_native=True, use_native_prefill=True).forward(
+        q, k, v, *caches[1], meta, 0.125)
+    plain = TorchBackend().forward(q, k, v, *caches[2], meta, 0.125)
+    tol = dict(atol=2e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got, plain, **tol)

@@ -131,3 +131,103 @@ def attend(c: Cascade, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     merged = (o_s.float() * torch.exp(lse_s - lse).unsqueeze(-1)
               + o_t.float() * torch.exp(lse_t - lse).unsqueeze(-1))
     out.index_copy_(0, c.tokens, merged.reshape(k, hkv * g, d).to(out.dtype))
+
+
+# -- prompts after a shared prefix (a burst's questions behind one document) -------------------
+
+
+@dataclass
+class ExtendCascade:
+    """Requests with several new tokens whose cached prefixes start with the same blocks: their
+    new tokens' queries attend the shared blocks once, stacked, and their own positions after
+    them (their cached tail and the new tokens, causally) one request at a time."""
+
+    rows: torch.Tensor  # int64 [sum n]: every member's new-token rows in q, member by member
+    spans: list[tuple[int, int]]  # each member's (first row in q, new tokens)
+    tail_ids: list[torch.Tensor]  # each member's blocks after the shared ones
+    masks: list[torch.Tensor]  # each member's [1, 1, n * G, len(tail) * page] additive mask
+    shared_ids: torch.Tensor
+    shared_start: int | None
+
+
+def plan_extend_cascades(meta: AttentionMetadata, requests: list[int], starts: list[int],
+                         group: int, dtype: torch.dtype) -> list[ExtendCascade]:
+    """Groups among `requests` (batch indices with several new tokens; starts: every request's
+    first row in q) that share CASCADE_MIN_TOKENS cached positions or more, CASCADE_MIN_ROWS
+    members or more, and new tokens x shared positions of MIN_PAIRS or more; `group` is the
+    query heads per KV head."""
+    p, lens, news = meta.page_size, meta.seq_lens_cpu, meta.query_lens_cpu
+    tables = meta.block_tables
+    cand = [b for b in requests if lens[b] - news[b] >= CASCADE_MIN_TOKENS]
+    if len(cand) < CASCADE_MIN_ROWS or not enabled():
+        return []
+    cand_t = torch.tensor(cand, dtype=torch.long, device=tables.device)
+    first = tables[cand_t, 0]
+    out = []
+    for block in first.unique().tolist():
+        reqs = cand_t[(first == block).nonzero().flatten()]
+        if block < 0 or reqs.numel() < CASCADE_MIN_ROWS:
+            continue
+        members = reqs.tolist()
+        limit = min(lens[b] - news[b] for b in members) // p  # blocks cached for every member
+        same = (tables[reqs, :limit] == tables[reqs[0], :limit]).all(0).int().cumprod(0)
+        shared = int(same.sum().item()) if limit > 0 else 0
+        total_new = sum(news[b] for b in members)
+        if shared * p < CASCADE_MIN_TOKENS or total_new * shared * p < MIN_PAIRS.get(dtype, 0):
+            continue
+        out.append(_extend_cascade(meta, members, starts, shared, group, dtype))
+    return out
+
+
+def _extend_cascade(meta: AttentionMetadata, members: list[int], starts: list[int],
+                    shared: int, group: int, dtype: torch.dtype) -> ExtendCascade:
+    p, lens, news, tables = meta.page_size, meta.seq_lens_cpu, meta.query_lens_cpu, \
+        meta.block_tables
+    dev = tables.device
+    rows, spans, tail_ids, masks = [], [], [], []
+    for b in members:
+        n, seq = news[b], lens[b]
+        rows.append(torch.arange(starts[b], starts[b] + n, device=dev))
+        spans.append((starts[b], n))
+        blocks = -(-seq // p) - shared
+        tail_ids.append(tables[b, shared : shared + blocks].long())
+        key = torch.arange(blocks * p, device=dev) + shared * p  # absolute positions
+        query = torch.arange(seq - n, seq, device=dev)
+        hidden = key[None, :] > query[:, None]  # after the query (and past the end)
+        mask = torch.zeros(n, blocks * p, dtype=dtype, device=dev).masked_fill_(hidden,
+                                                                                float("-inf"))
+        masks.append(mask.repeat_interleave(group, 0)[None, None])
+    ids = tables[members[0], :shared].long()
+    consecutive = bool((ids.diff() == 1).all()) if shared > 1 else True
+    return ExtendCascade(torch.cat(rows), spans, tail_ids, masks, ids,
+                         int(ids[0]) if consecutive else None)
+
+
+def attend_extend(c: ExtendCascade, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  gather, scale: float, out: torch.Tensor) -> None:
+    """The members' rows of `out` ([T, Hq, D]) from q's; `keys`/`values`: the shared blocks,
+    [S * page, Hkv, D]; `gather(ids)`: a member's tail blocks as (keys, values) [L, Hkv, D]."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    hkv, d = keys.shape[1], keys.shape[2]
+    g = q.shape[1] // hkv
+    m = c.rows.numel()
+    qm = q.index_select(0, c.rows).view(m, hkv, g, d)
+    o_s, lse_s = flash(qm.permute(1, 0, 2, 3).reshape(1, hkv, m * g, d),
+                       keys.transpose(0, 1)[None], values.transpose(0, 1)[None], 0.0, False,
+                       scale=scale)
+    o_s = o_s.view(hkv, m, g, d).permute(1, 0, 2, 3)  # [m, Hkv, G, D]
+    lse_s = lse_s.view(hkv, m, g).permute(1, 0, 2)
+    at = 0
+    for (start, n), ids, mask in zip(c.spans, c.tail_ids, c.masks, strict=True):
+        tk, tv = gather(ids)
+        qi = qm[at : at + n].permute(1, 0, 2, 3).reshape(1, hkv, n * g, d)
+        o_t, lse_t = flash(qi, tk.transpose(0, 1)[None], tv.transpose(0, 1)[None], 0.0, False,
+                           attn_mask=mask, scale=scale)
+        o_t = o_t.view(hkv, n, g, d).permute(1, 0, 2, 3)
+        lse_t = lse_t.view(hkv, n, g).permute(1, 0, 2)
+        ls, os_ = lse_s[at : at + n], o_s[at : at + n]
+        lse = torch.logaddexp(ls, lse_t)
+        merged = (os_.float() * torch.exp(ls - lse).unsqueeze(-1)
+                  + o_t.float() * torch.exp(lse_t - lse).unsqueeze(-1))
+        out[start : start + n] = merged.reshape(n, hkv * g, d).to(out.dtype)
+        at += n

@@ -142,6 +142,11 @@ class _Plan:
     cascades: list[cascade.Cascade] = field(default_factory=list)
     rest_rows: torch.Tensor | None = None
     rest_tokens: torch.Tensor | None = None
+    # requests with several new tokens behind a shared prefix (cascade.py), and those outside
+    # them for the prefill kernel and SDPA
+    extend_cascades: list[cascade.ExtendCascade] = field(default_factory=list)
+    prefill_rest: torch.Tensor | None = None
+    sdpa_rest: list[int] = field(default_factory=list)
 
     @property
     def decode_only(self) -> bool:
@@ -149,7 +154,7 @@ class _Plan:
 
 
 def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
-          groups: bool, sdpa: SdpaRoute | None = None) -> _Plan:
+          groups: bool, sdpa: SdpaRoute | None = None, heads_per_kv: int = 1) -> _Plan:
     p = meta.page_size
     starts = [0]
     for n in meta.query_lens_cpu:
@@ -170,7 +175,7 @@ def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
     plan.tables = meta.block_tables.to(torch.int32).contiguous()  # no copy if they are already
     plan.lens = meta.seq_lens.to(torch.int32).contiguous()
     if not groups:  # the C++ decode kernel's step: rows that share a long prefix go together
-        _plan_cascades(plan, meta, dtype, device)
+        _plan_cascades(plan, meta, dtype, device, heads_per_kv)
     for g in range(0, len(order) if groups else 0, DECODE_GROUP):
         reqs = [rows[i] for i in order[g : g + DECODE_GROUP]]
         num_blocks = -(-max(lens[b] for b in reqs) // p)
@@ -197,14 +202,23 @@ def _plan(meta: AttentionMetadata, device: torch.device, dtype: torch.dtype,
 
 
 def _plan_cascades(plan: _Plan, meta: AttentionMetadata, dtype: torch.dtype,
-                   device: torch.device) -> None:
-    """The decode rows that share a long prefix (cascade.py), and the rest, for the kernel."""
+                   device: torch.device, heads_per_kv: int) -> None:
+    """The decode rows and the prompts that share a long prefix (cascade.py), and the rest,
+    for the kernels."""
     rows, tokens = plan.decode_rows, plan.decode_tokens
     plan.cascades = cascade.plan_cascades(meta, rows, tokens, dtype)
     grouped = {int(b) for c in plan.cascades for b in c.requests.tolist()}
     rest = [i for i, b in enumerate(rows) if b not in grouped]
     plan.rest_rows = torch.tensor([rows[i] for i in rest], dtype=torch.long, device=device)
     plan.rest_tokens = torch.tensor([tokens[i] for i in rest], dtype=torch.long, device=device)
+    prompts = [b for b, n in enumerate(meta.query_lens_cpu) if n > 1]
+    plan.extend_cascades = cascade.plan_extend_cascades(meta, prompts, plan.starts,
+                                                        heads_per_kv, dtype)
+    starts = {c.spans[i][0] for c in plan.extend_cascades for i in range(len(c.spans))}
+    members = {b for b in prompts if plan.starts[b] in starts}
+    plan.prefill_rest = torch.tensor([b for b in plan.prefill_rows.tolist() if b not in members],
+                                     dtype=torch.long, device=device)
+    plan.sdpa_rest = [b for b in plan.sdpa_rows if b not in members]
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, page_size: int,
@@ -253,7 +267,7 @@ class TorchBackend(AttentionBackend):
         if meta is not self._meta:  # the first layer of a step plans for all of them
             self._meta, self._plan = meta, _plan(
                 meta, q.device, q.dtype, not self.use_native,
-                self.sdpa if self.use_native_prefill else None)
+                self.sdpa if self.use_native_prefill else None, q.shape[1] // k.shape[1])
         plan = self._plan
         assert plan is not None
         cascading = bool(plan.cascades) and window is None
@@ -280,16 +294,39 @@ class TorchBackend(AttentionBackend):
         self._prefill(q, k, v, k_cache, v_cache, meta, plan, scale, window, out)
         return out
 
+    def _extend_cascades(self, q, k_cache, v_cache, plan: _Plan, page_size: int, scale: float,
+                         out: torch.Tensor) -> None:
+        """The prompts behind a shared prefix (cascade.attend_extend), group by group."""
+        row = page_size * k_cache.shape[1] * k_cache.shape[2]
+        for c in plan.extend_cascades:
+            shared = c.shared_ids.numel()
+            longest = max(ids.numel() for ids in c.tail_ids)
+            kbuf, vbuf = self._buffers(k_cache, shared + longest, page_size)
+            if c.shared_start is not None:  # consecutive blocks: read where they lie
+                span = slice(c.shared_start * page_size, (c.shared_start + shared) * page_size)
+                keys, values = k_cache[span], v_cache[span]
+            else:
+                keys = _gather(k_cache, c.shared_ids, page_size, kbuf)
+                values = _gather(v_cache, c.shared_ids, page_size, vbuf)
+
+            def tail(ids: torch.Tensor, kb=kbuf[shared * row:], vb=vbuf[shared * row:]):
+                return (_gather(k_cache, ids, page_size, kb), _gather(v_cache, ids, page_size, vb))
+
+            cascade.attend_extend(c, q, keys, values, tail, scale, out)
+
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan,
                  scale: float, window: int | None, out: torch.Tensor) -> None:
         """The requests with several new tokens, written into their rows of `out`."""
         if self.use_native_prefill:
-            if plan.prefill_rows.numel():
+            prefill_rows, requests = plan.prefill_rows, plan.sdpa_rows
+            if plan.extend_cascades and window is None:
+                self._extend_cascades(q, k_cache, v_cache, plan, meta.page_size, scale, out)
+                prefill_rows, requests = plan.prefill_rest, plan.sdpa_rest
+            if prefill_rows.numel():
                 prefill_kernels().module.paged_prefill(
                     q, k_cache, v_cache, plan.tables, plan.lens,
-                    meta.query_start_loc.int(), plan.prefill_rows, meta.page_size, scale,
+                    meta.query_start_loc.int(), prefill_rows, meta.page_size, scale,
                     window or 0, out)
-            requests = plan.sdpa_rows
         else:
             requests = [b for b, n in enumerate(meta.query_lens_cpu) if n > 1]
         for b in requests:
