@@ -208,3 +208,51 @@ def test_only_a_request_starting_on_a_block_in_flight_waits_for_it():
     assert dict(zip([r.rid for r in batch.reqs], batch.num_new, strict=True))["b"] == 1
     assert b.num_cached == 24
     sched.check_integrity()
+
+
+def test_a_burst_behind_one_document_attends_it_once_with_the_same_tokens(smol_path,
+                                                                          monkeypatch):
+    """Cascade attention (attention/cascade.py) in the engine, on the real model (the tiny one
+    runs SDPA, not the C++ kernels the cascades stand beside): the burst's questions and then its
+    decodes attend the shared document as one group a layer, and every request's greedy tokens
+    are those of the same burst with it turned off (TOKENLINE_CASCADE=0)."""
+    import torch
+
+    from services.scheduler.attention import cascade
+
+    monkeypatch.setattr(cascade, "MIN_PAIRS", {torch.float32: 0, torch.bfloat16: 0})
+    calls = {"decode": 0, "prompts": 0}
+
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(cascade, "attend", counted("decode", cascade.attend))
+    monkeypatch.setattr(cascade, "attend_extend", counted("prompts", cascade.attend_extend))
+    reqs = _shared_prefix_burst(8, 400, seed=3)
+    for r in reqs:
+        r.params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("TOKENLINE_CASCADE", setting)
+        engine = EngineCore(engine_args(smol_path, page_size=16, max_total_tokens=4096))
+        if engine.runner.attention_kernel != "native":
+            pytest.skip(f"decode attention here is {engine.runner.attention_kernel}, not the "
+                        "C++ kernel the cascades stand beside")
+        for r in reqs:
+            engine.submit(r)
+        outs = []
+        while engine.has_work():
+            outs += engine.step()
+        engine.scheduler.check_integrity()
+        tokens[setting] = {r.rid: [t for o in outs if o.rid == r.rid for t in o.token_ids]
+                           for r in reqs}
+        if setting == "1":
+            layers = engine.runner.num_layers
+            assert calls["prompts"] >= layers and calls["decode"] >= 10 * layers, calls
+            seen = dict(calls)
+    assert calls == seen  # none with it off
+    assert tokens["1"] == tokens["0"]
+    assert all(len(t) == 12 for t in tokens["1"].values())
