@@ -61,6 +61,33 @@ class Cascade:
     shared_start: int | None = None
 
 
+def _groups(tables: torch.Tensor, cand: list[int], cached: list[int], p: int):
+    """(positions in `cand`, shared blocks) for each group of CASCADE_MIN_ROWS or more of the
+    requests `cand` whose tables start with the same blocks, `cached[i]` the positions of
+    cand[i] that may be shared. Once per step: only first blocks held by enough requests are
+    looked at (a batch of 64 unrelated requests costs one `unique`)."""
+    cand_t = torch.tensor(cand, dtype=torch.long, device=tables.device)
+    first = tables[cand_t, 0]
+    blocks, counts = first.unique(return_counts=True)
+    for block in blocks[(counts >= CASCADE_MIN_ROWS) & (blocks >= 0)].tolist():
+        at = (first == block).nonzero().flatten()
+        reqs = cand_t[at]
+        limit = min(cached[i] for i in at.tolist()) // p  # blocks every member may share
+        if limit * p < CASCADE_MIN_TOKENS:
+            continue
+        same = (tables[reqs, :limit] == tables[reqs[0], :limit]).all(0).int().cumprod(0)
+        yield at.tolist(), int(same.sum().item())
+
+
+def _min_pairs(dtype: torch.dtype) -> int:
+    return MIN_PAIRS.get(dtype, MIN_PAIRS[torch.float32])  # another dtype: as float32
+
+
+def _consecutive_start(ids: torch.Tensor) -> int | None:
+    """The first of `ids` when they follow one another in the pool (read in place), else None."""
+    return int(ids[0]) if ids.numel() < 2 or bool((ids.diff() == 1).all()) else None
+
+
 def plan_cascades(meta: AttentionMetadata, rows: list[int], tokens: list[int],
                   dtype: torch.dtype) -> list[Cascade]:
     """The groups of decode rows (`rows`: batch indices, `tokens`: their rows in q) that share
@@ -69,31 +96,22 @@ def plan_cascades(meta: AttentionMetadata, rows: list[int], tokens: list[int],
     if len(rows) < CASCADE_MIN_ROWS or not enabled():
         return []
     p, lens = meta.page_size, meta.seq_lens_cpu
-    tables = meta.block_tables
-    rows_t = torch.tensor(rows, dtype=torch.long, device=tables.device)
-    first = tables[rows_t, 0]
+    # whole blocks before every row's newest position (the one this step writes)
+    cached = [lens[b] - 1 for b in rows]
     out = []
-    for block in first.unique().tolist():
-        members = (first == block).nonzero().flatten()
-        if block < 0 or members.numel() < CASCADE_MIN_ROWS:
+    for at, shared in _groups(meta.block_tables, rows, cached, p):
+        if shared * p < CASCADE_MIN_TOKENS or len(at) * shared * p < _min_pairs(dtype):
             continue
-        reqs = rows_t[members]
-        seq = [lens[b] for b in reqs.tolist()]
-        limit = (min(seq) - 1) // p  # whole blocks before every row's newest position
-        same = (tables[reqs, :limit] == tables[reqs[0], :limit]).all(0).int().cumprod(0)
-        shared = int(same.sum().item()) if limit > 0 else 0
-        if shared * p < CASCADE_MIN_TOKENS or (
-            members.numel() * shared * p < MIN_PAIRS.get(dtype, MIN_PAIRS[torch.float32])
-        ):
-            continue
-        out.append(_cascade(meta, reqs, [tokens[i] for i in members.tolist()], seq, shared,
-                            dtype))
+        reqs = [rows[i] for i in at]
+        out.append(_cascade(meta, reqs, [tokens[i] for i in at], [lens[b] for b in reqs],
+                            shared, dtype))
     return out
 
 
-def _cascade(meta: AttentionMetadata, reqs: torch.Tensor, tokens: list[int], seq: list[int],
+def _cascade(meta: AttentionMetadata, members: list[int], tokens: list[int], seq: list[int],
              shared: int, dtype: torch.dtype) -> Cascade:
     p, tables = meta.page_size, meta.block_tables
+    reqs = torch.tensor(members, dtype=torch.long, device=tables.device)
     blocks = max(-(-n // p) for n in seq) - shared
     tail = tables[reqs, shared : shared + blocks].clamp(min=0)  # -1 past a row's end: masked
     span = torch.arange(blocks * p, device=tables.device)
@@ -101,10 +119,9 @@ def _cascade(meta: AttentionMetadata, reqs: torch.Tensor, tokens: list[int], seq
     mask = torch.zeros(len(seq), blocks * p, dtype=dtype, device=tables.device)
     mask.masked_fill_(span[None, :] >= left[:, None], float("-inf"))
     ids = tables[reqs[0], :shared].long()
-    consecutive = bool((ids.diff() == 1).all()) if shared > 1 else True
     return Cascade(reqs, torch.tensor(tokens, dtype=torch.long, device=tables.device), ids,
                    tail.reshape(-1).long(), blocks * p, mask[:, None, None, :],
-                   int(ids[0]) if consecutive else None)
+                   _consecutive_start(ids))
 
 
 def attend(c: Cascade, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -157,23 +174,14 @@ def plan_extend_cascades(meta: AttentionMetadata, requests: list[int], starts: l
     members or more, and new tokens x shared positions of MIN_PAIRS or more; `group` is the
     query heads per KV head."""
     p, lens, news = meta.page_size, meta.seq_lens_cpu, meta.query_lens_cpu
-    tables = meta.block_tables
     cand = [b for b in requests if lens[b] - news[b] >= CASCADE_MIN_TOKENS]
     if len(cand) < CASCADE_MIN_ROWS or not enabled():
         return []
-    cand_t = torch.tensor(cand, dtype=torch.long, device=tables.device)
-    first = tables[cand_t, 0]
     out = []
-    for block in first.unique().tolist():
-        reqs = cand_t[(first == block).nonzero().flatten()]
-        if block < 0 or reqs.numel() < CASCADE_MIN_ROWS:
-            continue
-        members = reqs.tolist()
-        limit = min(lens[b] - news[b] for b in members) // p  # blocks cached for every member
-        same = (tables[reqs, :limit] == tables[reqs[0], :limit]).all(0).int().cumprod(0)
-        shared = int(same.sum().item()) if limit > 0 else 0
+    for at, shared in _groups(meta.block_tables, cand, [lens[b] - news[b] for b in cand], p):
+        members = [cand[i] for i in at]
         total_new = sum(news[b] for b in members)
-        if shared * p < CASCADE_MIN_TOKENS or total_new * shared * p < MIN_PAIRS.get(dtype, 0):
+        if shared * p < CASCADE_MIN_TOKENS or total_new * shared * p < _min_pairs(dtype):
             continue
         out.append(_extend_cascade(meta, members, starts, shared, group, dtype))
     return out
@@ -198,9 +206,7 @@ def _extend_cascade(meta: AttentionMetadata, members: list[int], starts: list[in
                                                                                 float("-inf"))
         masks.append(mask.repeat_interleave(group, 0)[None, None])
     ids = tables[members[0], :shared].long()
-    consecutive = bool((ids.diff() == 1).all()) if shared > 1 else True
-    return ExtendCascade(torch.cat(rows), spans, tail_ids, masks, ids,
-                         int(ids[0]) if consecutive else None)
+    return ExtendCascade(torch.cat(rows), spans, tail_ids, masks, ids, _consecutive_start(ids))
 
 
 def attend_extend(c: ExtendCascade, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

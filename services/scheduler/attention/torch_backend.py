@@ -297,22 +297,31 @@ class TorchBackend(AttentionBackend):
     def _extend_cascades(self, q, k_cache, v_cache, plan: _Plan, page_size: int, scale: float,
                          out: torch.Tensor) -> None:
         """The prompts behind a shared prefix (cascade.attend_extend), group by group."""
-        row = page_size * k_cache.shape[1] * k_cache.shape[2]
         for c in plan.extend_cascades:
-            shared = c.shared_ids.numel()
             longest = max(ids.numel() for ids in c.tail_ids)
-            kbuf, vbuf = self._buffers(k_cache, shared + longest, page_size)
-            if c.shared_start is not None:  # consecutive blocks: read where they lie
-                span = slice(c.shared_start * page_size, (c.shared_start + shared) * page_size)
-                keys, values = k_cache[span], v_cache[span]
-            else:
-                keys = _gather(k_cache, c.shared_ids, page_size, kbuf)
-                values = _gather(v_cache, c.shared_ids, page_size, vbuf)
+            keys, values, kb, vb = self._shared_kv(c.shared_ids, c.shared_start, longest,
+                                                   k_cache, v_cache, page_size)
 
-            def tail(ids: torch.Tensor, kb=kbuf[shared * row:], vb=vbuf[shared * row:]):
+            def tail(ids: torch.Tensor, kb=kb, vb=vb):
                 return (_gather(k_cache, ids, page_size, kb), _gather(v_cache, ids, page_size, vb))
 
             cascade.attend_extend(c, q, keys, values, tail, scale, out)
+
+    def _shared_kv(self, shared_ids: torch.Tensor, shared_start: int | None, tail_blocks: int,
+                   k_cache, v_cache, page_size: int):
+        """A cascade's shared K and V ([S * page, Hkv, D]: in place when the blocks are
+        consecutive, else gathered into the workspace) and the rest of the workspace, room for
+        `tail_blocks` blocks of K and of V after them."""
+        shared = shared_ids.numel()
+        kbuf, vbuf = self._buffers(k_cache, shared + tail_blocks, page_size)
+        if shared_start is not None:
+            span = slice(shared_start * page_size, (shared_start + shared) * page_size)
+            keys, values = k_cache[span], v_cache[span]
+        else:
+            keys = _gather(k_cache, shared_ids, page_size, kbuf)
+            values = _gather(v_cache, shared_ids, page_size, vbuf)
+        rest = shared * page_size * k_cache.shape[1] * k_cache.shape[2]
+        return keys, values, kbuf[rest:], vbuf[rest:]
 
     def _prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, plan: _Plan,
                  scale: float, window: int | None, out: torch.Tensor) -> None:
@@ -385,17 +394,10 @@ class TorchBackend(AttentionBackend):
                  out: torch.Tensor) -> None:
         """One group of rows sharing a prefix (cascade.py): its blocks and the rows' tails
         gathered into the workspace, one after the other, then attended."""
-        shared = c.shared_ids.numel()
-        kbuf, vbuf = self._buffers(k_cache, shared + c.tail_ids.numel(), page_size)
-        row = page_size * k_cache.shape[1] * k_cache.shape[2]
-        if c.shared_start is not None:  # consecutive blocks: read where they lie
-            span = slice(c.shared_start * page_size, (c.shared_start + shared) * page_size)
-            keys, values = k_cache[span], v_cache[span]
-        else:
-            keys = _gather(k_cache, c.shared_ids, page_size, kbuf)
-            values = _gather(v_cache, c.shared_ids, page_size, vbuf)
-        tail_keys = _gather(k_cache, c.tail_ids, page_size, kbuf[shared * row:])
-        tail_values = _gather(v_cache, c.tail_ids, page_size, vbuf[shared * row:])
+        keys, values, kb, vb = self._shared_kv(c.shared_ids, c.shared_start, c.tail_ids.numel(),
+                                               k_cache, v_cache, page_size)
+        tail_keys = _gather(k_cache, c.tail_ids, page_size, kb)
+        tail_values = _gather(v_cache, c.tail_ids, page_size, vb)
         cascade.attend(c, q, keys, values, tail_keys, tail_values, scale, out)
 
     def _extend(self, qh, k_cache, v_cache, meta: AttentionMetadata, b: int, scale: float,

@@ -245,6 +245,22 @@ class Int4Linear:
         return self.tiles.nbytes + self.scale_min.nbytes
 
 
+def _rows(x: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """x [..., k] as 2-D rows in `dtype` with unit stride along k (rows at any stride): what
+    the tile kernels take."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.dtype != dtype:
+        x2 = x2.to(dtype)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _unrows(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A tile kernel's [M, N] back to x's leading shape and dtype."""
+    if x.dim() != 2:
+        out = out.view(*x.shape[:-1], out.shape[-1])
+    return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
 class Float32Tiles:
     """x @ w.T (+ bias) for a float32 weight in the same tiles ([T, K, 16]), through our C++
     kernel: the float32 projections on AVX-512 and AVX2 CPUs (`float32_tiles_missing`).
@@ -271,15 +287,9 @@ class Float32Tiles:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (float32; another dtype goes through float32) -> [..., N] in x's dtype."""
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x2.dtype != torch.float32:
-            x2 = x2.float()
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
-        out = QUANT.module().float_linear(x2, self.tiles, self.bias, self.out_features)
-        if x.dim() != 2:
-            out = out.view(*x.shape[:-1], self.out_features)
-        return out if x.dtype == torch.float32 else out.to(x.dtype)
+        out = QUANT.module().float_linear(_rows(x, self.in_features, torch.float32), self.tiles,
+                                          self.bias, self.out_features)
+        return _unrows(out, x)
 
     @property
     def nbytes(self) -> int:
@@ -342,19 +352,13 @@ class Bf16Tiles:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] (bfloat16; another dtype goes through bfloat16) -> [..., N] in x's dtype."""
-        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x2.dtype != torch.bfloat16:
-            x2 = x2.to(torch.bfloat16)
+        x2 = _rows(x, self.in_features, torch.bfloat16)
         if self.onednn is not None and x2.shape[0] > self.rows:
             out = torch.ops.mkldnn._linear_pointwise(x2, self.onednn, self.onednn_bias, "none",
                                                      [], "")
         else:
-            if x2.stride(-1) != 1:
-                x2 = x2.contiguous()
             out = QUANT.module().bf16_linear(x2, self.tiles, self.bias, self.out_features)
-        if x.dim() != 2:
-            out = out.view(*x.shape[:-1], self.out_features)
-        return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
+        return _unrows(out, x)
 
     @property
     def nbytes(self) -> int:
