@@ -250,8 +250,8 @@ class Run:
 
 
 async def stream(session: aiohttp.ClientSession, url: str, i: int,
-                 started: asyncio.Event) -> Run:
-    body = {"prompt": f"Request {i}: the quick brown fox", "max_tokens": MAX_TOKENS,
+                 started: asyncio.Event, max_tokens: int = MAX_TOKENS) -> Run:
+    body = {"prompt": f"Request {i}: the quick brown fox", "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     run = Run()
@@ -275,12 +275,12 @@ async def stream(session: aiohttp.ClientSession, url: str, i: int,
     return run
 
 
-async def _load(url: str, kill=None) -> list[Run]:
+async def _load(url: str, kill=None, max_tokens: int = MAX_TOKENS) -> list[Run]:
     """IN_FLIGHT streams; once each has its first tokens, `kill()`."""
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         started = [asyncio.Event() for _ in range(IN_FLIGHT)]
-        tasks = [asyncio.create_task(stream(session, url, i, ev))
+        tasks = [asyncio.create_task(stream(session, url, i, ev, max_tokens))
                  for i, ev in enumerate(started)]
         if kill is not None:
             await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in started)), 60)
@@ -288,17 +288,19 @@ async def _load(url: str, kill=None) -> list[Run]:
         return list(await asyncio.gather(*tasks))
 
 
-def under_load(url: str, kill=None) -> list[Run]:
-    """IN_FLIGHT greedy streams of MAX_TOKENS tokens; once each has its first tokens, `kill()`
-    (in a thread: it may sleep)."""
-    return asyncio.run(_load(url, kill))
+def under_load(url: str, kill=None, max_tokens: int = MAX_TOKENS) -> list[Run]:
+    """IN_FLIGHT greedy streams of `max_tokens` tokens; once each has its first tokens, `kill()`
+    (in a thread: it may sleep). The client may read its first tokens late, when a loaded
+    machine starves it: a fault that must hit streams still being generated needs long ones."""
+    return asyncio.run(_load(url, kill, max_tokens))
 
 
-def check_identical(runs: list[Run], reference: list[str], what: str) -> None:
+def check_identical(runs: list[Run], reference: list[str], what: str,
+                    max_tokens: int = MAX_TOKENS) -> None:
     """64/64 identical to the uninterrupted run, each with every token once; the pauses said."""
     for i, (run, want) in enumerate(zip(runs, reference, strict=True)):
         assert run.error is None, (what, i, run.error)
-        assert run.finish == "length" and run.completion_tokens == MAX_TOKENS, (what, i, run)
+        assert run.finish == "length" and run.completion_tokens == max_tokens, (what, i, run)
         assert run.text == want, (what, i, run.text, want)
     pauses = sorted(r.pause for r in runs)
     print(f"{what}: {len(runs)}/{IN_FLIGHT} identical; stream pause per request: median "
