@@ -229,6 +229,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="llama-server -t, vLLM's bound cores (default: every core, as ours "
                    "uses)")
     p.add_argument("--ctx", type=int, default=65536, help="llama-server -c, shared by the slots")
+    p.add_argument("--llama-server-flags", metavar="FLAGS",
+                   help="more flags for llama-server, one string (e.g. its n-gram speculation: "
+                   "\"--spec-type ngram-simple --draft-max 8\")")
+    p.add_argument("--llama-server-baseline", action="store_true",
+                   help="with --llama-server-flags: also run llama-server without them, in the "
+                   "same rounds")
     p.add_argument("--rounds", type=int, default=1,
                    help="run every system this many times, interleaved; report medians")
     p.add_argument("--max-concurrency", type=int,
@@ -257,6 +263,9 @@ System = tuple[str, Callable[[LoraSetup | None], ServerProcess]]
 def _peer_systems(args: argparse.Namespace, parser: argparse.ArgumentParser,
                   model: Path) -> list[System]:
     """(name, make server) for each peer run beside ours."""
+    if (args.llama_server_flags or args.llama_server_baseline) and args.peer != "llama-server":
+        parser.error("--llama-server-flags and --llama-server-baseline are for "
+                     "--peer llama-server")
     if args.peer == "none":
         return []
     if args.peer == "vllm":
@@ -286,9 +295,15 @@ def _peer_systems(args: argparse.Namespace, parser: argparse.ArgumentParser,
         parser.error("--slots must be at least 1")
     if model.suffix != ".gguf" or not model.is_file():
         parser.error(f"--model: {model} is not a GGUF file (llama-server needs one)")
+    if args.llama_server_baseline and not args.llama_server_flags:
+        parser.error("--llama-server-baseline needs --llama-server-flags (what to run without)")
     binary = find_llama_server(args.llama_server) if slots else ""
-    return [(f"llama-server -np {n}", lambda _, n=n: LlamaServer(
-        binary, model, slots=n, threads=args.threads, ctx=args.ctx)) for n in slots]
+    flag_sets = [shlex.split(args.llama_server_flags or "")]
+    if args.llama_server_baseline:
+        flag_sets.append([])
+    return [(" ".join([f"llama-server -np {n}", *extra]), lambda _, n=n, extra=extra: LlamaServer(
+        binary, model, slots=n, threads=args.threads, ctx=args.ctx, extra=extra))
+        for n in slots for extra in flag_sets]
 
 
 def _tokenize_text_prompts(requests: list[SampleRequest], model: Path) -> None:

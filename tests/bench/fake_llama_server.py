@@ -32,12 +32,12 @@ def _record(**event: object) -> None:
 
 
 def make_app(model: str, slots: int, adapters: tuple[str, ...] = (),
-             flush_route: str | None = None) -> web.Application:
+             flush_route: str | None = None, flags: tuple[str, ...] = ()) -> web.Application:
     """/health, /v1/models and streamed /v1/completions for `model` and `adapters`, `slots`
     requests at a time, and POST `flush_route` (also the fake vLLM's app: fake_vllm.py)."""
     started = time.monotonic()
     running = asyncio.Semaphore(slots)
-    _record(server=model, start=True)
+    _record(server=model, start=True, flags=list(flags))
 
     async def health(request: web.Request) -> web.Response:
         if time.monotonic() - started < LOAD_S:
@@ -89,8 +89,9 @@ def main() -> None:
     p.add_argument("-t", type=int)
     p.add_argument("--fake-adapter", action="append", default=[])
     p.add_argument("--fake-flush-route")
-    args = p.parse_args()
-    web.run_app(make_app(args.m, args.np, tuple(args.fake_adapter), args.fake_flush_route),
+    args, flags = p.parse_known_args()  # the rest as llama-server's own flags, recorded
+    web.run_app(make_app(args.m, args.np, tuple(args.fake_adapter), args.fake_flush_route,
+                         tuple(flags)),
                 host=args.host, port=args.port, print=None)
 
 

