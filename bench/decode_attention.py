@@ -26,6 +26,7 @@ share), switching the runner's kernel between the two builds round by round.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import subprocess
@@ -51,10 +52,11 @@ class Step:
     """Tables, lengths, q/k/v rows and `layers` pairs of caches for one decode step."""
 
     def __init__(self, dtype: torch.dtype, layout: str, layers: int = LAYERS,
-                 seed: int = 0, contexts: list[int] | None = None) -> None:
+                 seed: int = 0, contexts: list[int] | None = None, page: int = PAGE) -> None:
         gen = torch.Generator().manual_seed(seed)
+        self.page = page
         lens = [c + 1 for c in contexts or CONTEXTS]
-        need = [-(-n // PAGE) for n in lens]
+        need = [-(-n // page) for n in lens]
         blocks = sum(need) + 64  # a little slack, as a pool has
         order = torch.randperm(blocks, generator=gen).tolist() if layout == "shuffled" else list(
             range(blocks))
@@ -63,13 +65,13 @@ class Step:
         for b, n in enumerate(lens):
             self.tables[b, : need[b]] = torch.tensor(order[at : at + need[b]], dtype=torch.int32)
             at += 0 if layout == "hot" else need[b]
-            slots.append(int(self.tables[b, (n - 1) // PAGE]) * PAGE + (n - 1) % PAGE)
+            slots.append(int(self.tables[b, (n - 1) // page]) * page + (n - 1) % page)
         self.lens = torch.tensor(lens, dtype=torch.int32)
         self.slots = torch.tensor(slots)
         qkv = torch.randn(len(lens), HQ + 2 * HKV, D, generator=gen).to(dtype)
         self.q, self.k, self.v = qkv.split([HQ, HKV, HKV], dim=1)
-        self.caches = [(torch.randn(blocks * PAGE, HKV, D, generator=gen).to(dtype),
-                        torch.randn(blocks * PAGE, HKV, D, generator=gen).to(dtype))
+        self.caches = [(torch.randn(blocks * page, HKV, D, generator=gen).to(dtype),
+                        torch.randn(blocks * page, HKV, D, generator=gen).to(dtype))
                        for _ in range(layers)]
         self.out = torch.empty(len(lens), HQ, D, dtype=dtype)
         # the K/V bytes the kernel reads per step (positions attended to, both caches)
@@ -77,7 +79,7 @@ class Step:
 
     def run(self, module) -> None:
         for kc, vc in self.caches:
-            module.decode(self.q, kc, vc, self.tables, self.lens, PAGE, D**-0.5, 0, self.k,
+            module.decode(self.q, kc, vc, self.tables, self.lens, self.page, D**-0.5, 0, self.k,
                           self.v, self.slots, None, None, self.out)
 
 
@@ -191,6 +193,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         "--batch requests at each instead of decode64's 64 short ones")
     parser.add_argument("--batch", default="1,4,16", help="with --contexts: comma-separated")
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--page", default=str(PAGE),
+                        help="comma-separated tokens per KV block (the server's --page-size)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     parser.add_argument("--layers", type=int, help=f"calls (layers) per step (default "
                         f"{LAYERS}; with --contexts enough for {LONG_BYTES // 10**6} MB)")
@@ -219,10 +223,11 @@ def main(argv: list[str] | None = None) -> int:
     for dtype_name in args.dtype.split(","):
         dtype = getattr(torch, dtype_name)
         for layout in args.layout.split(",") if args.kernel_rounds != 0 else []:
-            for label, contexts, layers in cases(args, dtype):
-                step = Step(dtype, layout, layers, contexts=contexts)
+            for (label, contexts, layers), page in itertools.product(
+                    cases(args, dtype), map(int, args.page.split(","))):
+                step = Step(dtype, layout, layers, contexts=contexts, page=page)
                 cells = time_step(kernels, step, args.kernel_rounds or args.rounds)
-                print(f"{dtype_name:8} {layout:10} {label}{layers:2} layers "
+                print(f"{dtype_name:8} {layout:10} page {page:<3} {label}{layers:2} layers "
                       f"{step.bytes / 1e6:.0f} MB: {cells}", flush=True)
                 del step
         if args.steps:
