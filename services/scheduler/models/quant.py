@@ -633,10 +633,6 @@ def calibrate_small_calls(layers: list, rounds: int = 3) -> str:
     if forced not in ("auto", "one", "all"):
         raise ValueError(f"TOKENLINE_QUANT_SMALL_CALLS must be auto, one or all, not {forced!r}")
     limits = {"one": module.one_thread_bytes_default(), "all": 0}
-    if module.dequant_rows() <= 1:
-        # an AVX2 build dequantizes every call, 1-3 rows too, over every thread: the limit is
-        # never read, so there is nothing to measure (or to force)
-        return "all threads (this build dequantizes every call: no 1-3 row path to time)"
     layers = [q for q in layers if isinstance(q, (Int8Linear, Int4Linear))]
     if forced != "auto" or torch.get_num_threads() == 1 or not layers:
         choice = "all" if forced == "all" else "one"

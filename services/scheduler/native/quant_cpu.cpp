@@ -32,9 +32,9 @@
 // scale * sum(code x) + min * sum(x) per group. Either way the two agree within float32
 // summation error of sum_k |x_k| (|scale code_k| + |min|) (tests/unit/test_quant.py).
 //
-// With AVX512F (the build is -march=native) the tiles run in intrinsics. An AVX2 build
-// dequantizes every call's tiles (from one row) and runs the float FMAs and the dequantizing in
-// AVX2 intrinsics; without AVX2 and FMA, the same loops in plain C++.
+// With AVX512F (the build is -march=native) the tiles run in intrinsics. An AVX2 build runs
+// 1-3 rows in the factored form and from 4 rows dequantizes each call's tiles, both in AVX2
+// intrinsics; without AVX2 and FMA, the same loops in plain C++.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -56,18 +56,20 @@ namespace {
 
 constexpr int64_t LANES = 16;   // output channels per tile
 constexpr int64_t GROUP = 32;   // k values per scale
+// below this many rows quant_tile takes the scale and minimum out of the k loop
+constexpr int64_t FACTORED_ROWS = 4;
 // from this many rows tiles are dequantized into float32 once per call (run_groups). An
-// AVX2 build (no AVX-512) always does: its quant_tile is the plain loops, which the compiler
-// leaves 5-15x slower than oneDNN's float32 from 2 rows (batch 64: 3.8 s against 0.27 s a
-// SmolLM2 step's matmuls, an AVX2 EPYC), while dequantizing into L1 and running the FMAs in
-// intrinsics (float_tiles below) reads the codes once and keeps both FMA units busy.
+// AVX2 build (no AVX-512) does from 4 rows: its quant_tile from 4 rows is the plain loops,
+// which the compiler leaves 5-15x slower than oneDNN's float32 (batch 64: 3.8 s against 0.27 s
+// a SmolLM2 step's matmuls, an AVX2 EPYC), while dequantizing into L1 and running the FMAs in
+// intrinsics (float_tiles below) reads the codes once and keeps both FMA units busy. Below 4
+// rows it runs the factored form in intrinsics (avx2_factored_tile): dequantizing every call
+// there took an int4 batch-1 step's matmuls 19.7 ms, 5.6x their memory bound.
 #if defined(__AVX512F__) || !(defined(__AVX2__) && defined(__FMA__))
 constexpr int64_t DEQUANT_ROWS = 16;
 #else
-constexpr int64_t DEQUANT_ROWS = 1;
+constexpr int64_t DEQUANT_ROWS = FACTORED_ROWS;
 #endif
-// below this many rows quant_tile takes the scale and minimum out of the k loop
-constexpr int64_t FACTORED_ROWS = 4;
 // With 1-3 rows a call is a stream of weight bytes with one or two FMAs per code. Where one
 // core streams near what both do (a Zen-5 class EPYC here: 35-39 GB/s against 44, with the
 // prefetches below), a second thread adds little bandwidth, and waking it (the passive OpenMP
@@ -276,6 +278,111 @@ void float_tiles(const float* x, int64_t ldx, const float* w, int64_t Kp, float*
 
 #else  // portable: the same tiles in plain loops over the 16 lanes
 
+#if defined(__AVX2__) && defined(__FMA__)
+
+inline void load16_avx2(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+inline void load16_avx2(const at::Half* p, __m256& lo, __m256& hi) {
+  lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+}
+
+// 16 codes (bytes) as float32: channels 0-7 in lo, 8-15 in hi
+inline void codes16(__m128i codes, __m256& lo, __m256& hi) {
+  lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+  hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+}
+
+// quant_tile's factored form for 1-3 rows in AVX2 intrinsics (the AVX-512 one's arithmetic,
+// a tile's 16 channels as two 8-lane vectors): per group of 32 k, scale * sum(code x) +
+// minimum * sum(x), one FMA per code and row, the codes widened in registers and never
+// written out; U chains per row and half-tile (2 R U accumulators) cover the FMA's latency.
+// The next groups' codes are asked for as the AVX-512 path does (prefetch_group).
+template <typename C, int R, typename S>
+void avx2_factored_tile(const float* x, const float* xsum, const uint8_t* q, const S* sm,
+                        int64_t G, float* out, int64_t ldo, int valid) {
+  constexpr int P = C::PER_ROW, U = R == 1 ? 4 : (R == 2 ? 2 : 1);
+  constexpr int64_t QBYTES = GROUP / P * LANES, AHEAD = P == 1 ? 64 : 32;  // groups
+  const __m256i nibble = _mm256_set1_epi32(15);
+  __m256 acc[R][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    const uint8_t* qg = q + g * QBYTES;
+    const char* ahead = reinterpret_cast<const char*>(qg + AHEAD * QBYTES);
+    for (int64_t b = 0; b < QBYTES; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+    const char* sm_ahead = reinterpret_cast<const char*>(sm + (g + AHEAD) * 2 * LANES);
+    for (int64_t b = 0; b < 2 * LANES * int64_t(sizeof(S)); b += 64)
+      _mm_prefetch(sm_ahead + b, _MM_HINT_T0);
+    const float* xg = x + g * GROUP * R;
+    __m256 part[R][U][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+      for (int u = 0; u < U; ++u) part[r][u][0] = part[r][u][1] = _mm256_setzero_ps();
+    // JU rows of codes a turn, JU P a multiple of U: every chain index below is a constant
+    // once the inner loops unroll (an index the compiler cannot fold keeps part on the stack)
+    constexpr int JU = U > P ? U / P : 1;
+    for (int j0 = 0; j0 < GROUP / P; j0 += JU) {
+#pragma GCC unroll 4
+      for (int jj = 0; jj < JU; ++jj) {
+        const int j = j0 + jj;
+        // channels 0-7 and 8-15 widened to 32 bits straight from memory (a load and one
+        // shuffle each, not a shift of the register across lanes first)
+        __m256i v[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h)
+          v[h] = _mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qg + j * LANES + 8 * h)));
+        __m256 c[P][2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (P == 1) {
+            c[0][h] = _mm256_cvtepi32_ps(v[h]);
+          } else {  // byte c: k = 2j in the low nibble, 2j + 1 in the high
+            c[0][h] = _mm256_cvtepi32_ps(_mm256_and_si256(v[h], nibble));
+            c[P - 1][h] = _mm256_cvtepi32_ps(_mm256_srli_epi32(v[h], 4));
+          }
+        }
+#pragma GCC unroll 2
+        for (int i = 0; i < P; ++i) {
+          const int u = (jj * P + i) % U;
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const __m256 b = _mm256_broadcast_ss(xg + (j * P + i) * R + r);
+            part[r][u][0] = _mm256_fmadd_ps(c[i][0], b, part[r][u][0]);
+            part[r][u][1] = _mm256_fmadd_ps(c[i][1], b, part[r][u][1]);
+          }
+        }
+      }
+    }
+    __m256 s[2], m[2];
+    load16_avx2(sm + g * 2 * LANES, s[0], s[1]);
+    load16_avx2(sm + g * 2 * LANES + LANES, m[0], m[1]);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 xs = _mm256_broadcast_ss(xsum + g * R + r);
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        __m256 p = part[r][0][h];
+#pragma GCC unroll 4
+        for (int u = 1; u < U; ++u) p = _mm256_add_ps(p, part[r][u][h]);
+        acc[r][h] = _mm256_fmadd_ps(m[h], xs, _mm256_fmadd_ps(s[h], p, acc[r][h]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    alignas(32) float sum[LANES];
+    _mm256_store_ps(sum, acc[r][0]);
+    _mm256_store_ps(sum + 8, acc[r][1]);
+    std::copy(sum, sum + valid, out + r * ldo);
+  }
+}
+
+#endif
+
 inline float to_float(float v) { return v; }
 inline float to_float(at::Half v) { return static_cast<float>(v); }
 
@@ -297,6 +404,9 @@ void quant_tile(const float* x, const float* xsum, const uint8_t* q, const S* sm
                 float* out, int64_t ldo, int valid) {
   constexpr int P = C::PER_ROW;
   constexpr bool FACTORED = R < FACTORED_ROWS;
+#if defined(__AVX2__) && defined(__FMA__)
+  if constexpr (FACTORED) return avx2_factored_tile<C, R, S>(x, xsum, q, sm, G, out, ldo, valid);
+#endif
   float acc[R][LANES] = {};
   for (int64_t g = 0; g < G; ++g) {
     float s[LANES], m[LANES];
@@ -348,20 +458,11 @@ void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
 
 #if defined(__AVX2__) && defined(__FMA__)
 
-inline void load16_avx2(const float* p, __m256& lo, __m256& hi) {
-  lo = _mm256_loadu_ps(p);
-  hi = _mm256_loadu_ps(p + 8);
-}
-inline void load16_avx2(const at::Half* p, __m256& lo, __m256& hi) {
-  lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-}
-
 // 16 codes (bytes) to code * scale + min, into w[0..16)
 inline void dequant16(__m128i codes, __m256 s_lo, __m256 s_hi, __m256 m_lo, __m256 m_hi,
                       float* w) {
-  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
-  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
+  __m256 lo, hi;
+  codes16(codes, lo, hi);
   _mm256_storeu_ps(w, _mm256_fmadd_ps(lo, s_lo, m_lo));
   _mm256_storeu_ps(w + 8, _mm256_fmadd_ps(hi, s_hi, m_hi));
 }
