@@ -218,8 +218,11 @@ def main(argv: list[str] | None = None) -> int:
     assert kernels["this"] is not None, "the CPU decode kernel did not build"
     if args.against:
         kernels[args.against] = build_at(args.against)
-    print(f"threads {torch.get_num_threads()}, {args.rounds} rounds, median (best) ms per "
-          f"step (one call per layer)")
+    # PASSIVE unless the environment says otherwise (set above); the server runs libgomp's
+    # default, which at batch 1 reads 15-40% faster here (docs/benchmarks.md)
+    print(f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY "
+          f"{os.environ.get('OMP_WAIT_POLICY') or '(libgomp default)'}, {args.rounds} rounds, "
+          f"median (best) ms per step (one call per layer)")
     for dtype_name in args.dtype.split(","):
         dtype = getattr(torch, dtype_name)
         for layout in args.layout.split(",") if args.kernel_rounds != 0 else []:

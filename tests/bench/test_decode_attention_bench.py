@@ -62,3 +62,27 @@ def test_against_a_revision_writes_the_kernel_with_the_headers_it_includes():
     assert [h.name for h in headers] == ["cpu_vec.h"]
     tree = Path(*path.parts[: len(path.parts) - 4])  # the temporary repository root
     assert headers[0] == (tree / "services/scheduler/native/cpu_vec.h").resolve()
+
+
+def test_page_sizes_each_get_their_rows_and_blocks_of_that_size(capsys):
+    """`--page 16,64`: a row per block size, and a step's tables hold blocks of that many
+    positions (the same bytes read either way)."""
+    import torch
+
+    if native_kernels().missing:
+        pytest.skip(f"{native_kernels().missing}: no C++ decode kernel to time")
+    assert decode_attention.main(["--dtype", "float32", "--layout", "shuffled", "--contexts",
+                                  "300", "--batch", "2", "--layers", "1", "--rounds", "1",
+                                  "--page", "16,64"]) == 0
+    out = capsys.readouterr().out
+    assert "OMP_WAIT_POLICY" in out.splitlines()[0]
+    assert [m for m in re.findall(r"shuffled +page (\d+) ", out)] == ["16", "64"]
+    small, large = (decode_attention.Step(torch.float32, "shuffled", 1, contexts=[300] * 2,
+                                          page=p) for p in (16, 64))
+    for step, page in ((small, 16), (large, 64)):
+        need = -(-301 // page)  # positions 0..300 of each request
+        used = [step.tables[b, :need].tolist() for b in range(2)]
+        assert len({x for blocks in used for x in blocks}) == 2 * need  # none shared
+        assert step.caches[0][0].shape[0] % page == 0
+        assert step.slots.tolist() == [blocks[300 // page] * page + 300 % page for blocks in used]
+    assert large.bytes == small.bytes
