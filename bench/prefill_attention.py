@@ -45,17 +45,10 @@ def _step(spans: list[tuple[int, int]], dtype: torch.dtype, seed: int = 0):
     need = [-(-(c + n) // PAGE) for c, n in spans]
     pool = torch.randperm(sum(need), generator=gen).tolist()
     tables = torch.zeros((len(spans), max(need)), dtype=torch.int32)
-    slots = []
-    for b, (c, n) in enumerate(spans):
+    for b in range(len(spans)):
         tables[b, : need[b]] = torch.tensor(pool[sum(need[:b]) : sum(need[: b + 1])])
-        slots += [int(tables[b, p // PAGE]) * PAGE + p % PAGE for p in range(c, c + n)]
-    qlens = [n for _, n in spans]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, *qlens]).cumsum(0).int(),
-        seq_lens=torch.tensor([c + n for c, n in spans], dtype=torch.int32),
-        block_tables=tables, slot_mapping=torch.tensor(slots), query_lens_cpu=qlens,
-        seq_lens_cpu=[c + n for c, n in spans], page_size=PAGE)
-    tokens, num_slots = sum(qlens), sum(need) * PAGE
+    meta = AttentionMetadata.for_spans(spans, tables, PAGE)
+    tokens, num_slots = sum(meta.query_lens_cpu), sum(need) * PAGE
     q, k, v = (torch.randn(tokens, h, D, generator=gen).to(dtype) for h in (HQ, HKV, HKV))
     k_cache, v_cache = (torch.randn(num_slots, HKV, D, generator=gen).to(dtype) for _ in "kv")
     k_cache[meta.slot_mapping], v_cache[meta.slot_mapping] = k, v

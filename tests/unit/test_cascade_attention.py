@@ -45,20 +45,13 @@ def shared_step(page: int, hq: int, hkv: int, d: int, shared_blocks: int, tails:
              + [(shared_blocks * page + c, n) for c, n in prompts])
     sharing = set(range(len(tails))) | set(range(len(spans) - len(prompts), len(spans)))
     tables = torch.full((len(spans), shared_blocks + max(own) + 1), -1, dtype=torch.int32)
-    slots = []
     for b, (c, n) in enumerate(spans):
         first = common if b in sharing else []
         blocks = first + [pool.pop() for _ in range(-(-(c + n) // page) - len(first))]
         tables[b, : len(blocks)] = torch.tensor(blocks)
-        slots += [blocks[p // page] * page + p % page for p in range(c, c + n)]
-    qlens = [n for _, n in spans]
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, *qlens]).cumsum(0).int(),
-        seq_lens=torch.tensor([c + n for c, n in spans], dtype=torch.int32),
-        block_tables=tables, slot_mapping=torch.tensor(slots), query_lens_cpu=qlens,
-        seq_lens_cpu=[c + n for c, n in spans], page_size=page)
+    meta = AttentionMetadata.for_spans(spans, tables, page)
     total = (shared_blocks + sum(own) + 2) * page
-    t = sum(qlens)
+    t = sum(n for _, n in spans)
     return [torch.randn(*shape, generator=gen) for shape in
             [(t, hq, d), (t, hkv, d), (t, hkv, d), (total, hkv, d), (total, hkv, d)]] + [meta]
 

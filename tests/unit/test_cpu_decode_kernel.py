@@ -31,21 +31,10 @@ def random_step(spans: list[tuple[int, int]], page: int, hq: int, hkv: int, d: i
     need = [-(-(c + n) // page) for c, n in spans]
     pool = torch.randperm(sum(need) + 3, generator=gen).tolist()
     tables = torch.full((len(spans), max(need) + 2), -1, dtype=torch.int32)
-    slots = []
-    for b, (c, n) in enumerate(spans):
+    for b in range(len(spans)):
         tables[b, : need[b]] = torch.tensor([pool.pop() for _ in range(need[b])])
-        slots += [int(tables[b, p // page]) * page + p % page for p in range(c, c + n)]
-    qlens = [n for _, n in spans]
-    tokens = sum(qlens)
-    meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, *qlens]).cumsum(0).int(),
-        seq_lens=torch.tensor([c + n for c, n in spans], dtype=torch.int32),
-        block_tables=tables,
-        slot_mapping=torch.tensor(slots),
-        query_lens_cpu=qlens,
-        seq_lens_cpu=[c + n for c, n in spans],
-        page_size=page,
-    )
+    meta = AttentionMetadata.for_spans(spans, tables, page)
+    tokens = sum(meta.query_lens_cpu)
     slots_total = (sum(need) + 3) * page
 
     def rand(*shape: int) -> torch.Tensor:

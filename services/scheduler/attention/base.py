@@ -29,6 +29,22 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     page_size: int
 
+    @classmethod
+    def for_spans(cls, spans: list[tuple[int, int]], block_tables: torch.Tensor,
+                  page_size: int) -> AttentionMetadata:
+        """A step where request b has spans[b] = (cached tokens, new tokens), its blocks in
+        block_tables[b]: the new tokens' slots follow from the table (how tests and benches
+        lay out a step)."""
+        rows = block_tables.tolist()
+        slots = [rows[b][p // page_size] * page_size + p % page_size
+                 for b, (c, n) in enumerate(spans) for p in range(c, c + n)]
+        qlens = [n for _, n in spans]
+        lens = [c + n for c, n in spans]
+        return cls(query_start_loc=torch.tensor([0, *qlens]).cumsum(0).int(),
+                   seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=block_tables,
+                   slot_mapping=torch.tensor(slots), query_lens_cpu=qlens, seq_lens_cpu=lens,
+                   page_size=page_size)
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_cpu)

@@ -124,30 +124,47 @@ def _cascade(meta: AttentionMetadata, members: list[int], tokens: list[int], seq
                    _consecutive_start(ids))
 
 
+def _flash():
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+def _stacked(qm: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+             mask: torch.Tensor | None = None):
+    """Every row of qm ([m, Hkv, G, D]) over one K, V ([L, Hkv, D]) in one call, the rows'
+    queries stacked per KV head (`mask`: additive, [1, 1, m * G, L]): (out [m, Hkv, G, D],
+    log-sum-exp [m, Hkv, G])."""
+    m, hkv, g, d = qm.shape
+    o, lse = _flash()(qm.permute(1, 0, 2, 3).reshape(1, hkv, m * g, d),
+                      keys.transpose(0, 1)[None], values.transpose(0, 1)[None], 0.0, False,
+                      attn_mask=mask, scale=scale)
+    return o.view(hkv, m, g, d).permute(1, 0, 2, 3), lse.view(hkv, m, g).permute(1, 0, 2)
+
+
+def _merge(o_s: torch.Tensor, lse_s: torch.Tensor, o_t: torch.Tensor,
+           lse_t: torch.Tensor) -> torch.Tensor:
+    """Two parts of the same rows' attention ([m, Hkv, G, D] and their log-sum-exps) as one,
+    in float32, [m, Hkv * G, D]."""
+    lse = torch.logaddexp(lse_s, lse_t)
+    merged = (o_s.float() * torch.exp(lse_s - lse).unsqueeze(-1)
+              + o_t.float() * torch.exp(lse_t - lse).unsqueeze(-1))
+    return merged.flatten(1, 2)
+
+
 def attend(c: Cascade, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            tail_keys: torch.Tensor, tail_values: torch.Tensor, scale: float,
            out: torch.Tensor) -> None:
     """The group's rows of `out` ([T, Hq, D]) from q's ([T, Hq, D]); `keys`/`values`: the
     shared blocks gathered, [S * page, Hkv, D]; `tail_keys`/`tail_values`: the rows' tails
     gathered, [k * tail_len, Hkv, D]."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     k = c.tokens.numel()
     hkv, d = keys.shape[1], keys.shape[2]
-    g = q.shape[1] // hkv
-    qm = q.index_select(0, c.tokens).view(k, hkv, g, d)
-    stacked = qm.permute(1, 0, 2, 3).reshape(1, hkv, k * g, d)
-    o_s, lse_s = flash(stacked, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], 0.0,
-                       False, scale=scale)
-    o_s = o_s.view(hkv, k, g, d).permute(1, 0, 2, 3)  # [k, Hkv, G, D]
-    lse_s = lse_s.view(hkv, k, g).permute(1, 0, 2)
+    qm = q.index_select(0, c.tokens).view(k, hkv, q.shape[1] // hkv, d)
+    o_s, lse_s = _stacked(qm, keys, values, scale)
     shape = (k, c.tail_len, hkv, d)
-    o_t, lse_t = flash(qm, tail_keys.view(shape).transpose(1, 2),
-                       tail_values.view(shape).transpose(1, 2), 0.0, False, attn_mask=c.mask,
-                       scale=scale)
-    lse = torch.logaddexp(lse_s, lse_t)
-    merged = (o_s.float() * torch.exp(lse_s - lse).unsqueeze(-1)
-              + o_t.float() * torch.exp(lse_t - lse).unsqueeze(-1))
-    out.index_copy_(0, c.tokens, merged.reshape(k, hkv * g, d).to(out.dtype))
+    o_t, lse_t = _flash()(qm, tail_keys.view(shape).transpose(1, 2),
+                          tail_values.view(shape).transpose(1, 2), 0.0, False,
+                          attn_mask=c.mask, scale=scale)
+    out.index_copy_(0, c.tokens, _merge(o_s, lse_s, o_t, lse_t).to(out.dtype))
 
 
 # -- prompts after a shared prefix (a burst's questions behind one document) -------------------
@@ -159,6 +176,7 @@ class ExtendCascade:
     new tokens' queries attend the shared blocks once, stacked, and their own positions after
     them (their cached tail and the new tokens, causally) one request at a time."""
 
+    members: list[int]  # the requests (batch indices)
     rows: torch.Tensor  # int64 [sum n]: every member's new-token rows in q, member by member
     spans: list[tuple[int, int]]  # each member's (first row in q, new tokens)
     tail_ids: list[torch.Tensor]  # each member's blocks after the shared ones
@@ -206,34 +224,22 @@ def _extend_cascade(meta: AttentionMetadata, members: list[int], starts: list[in
                                                                                 float("-inf"))
         masks.append(mask.repeat_interleave(group, 0)[None, None])
     ids = tables[members[0], :shared].long()
-    return ExtendCascade(torch.cat(rows), spans, tail_ids, masks, ids, _consecutive_start(ids))
+    return ExtendCascade(members, torch.cat(rows), spans, tail_ids, masks, ids,
+                         _consecutive_start(ids))
 
 
 def attend_extend(c: ExtendCascade, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                   gather, scale: float, out: torch.Tensor) -> None:
     """The members' rows of `out` ([T, Hq, D]) from q's; `keys`/`values`: the shared blocks,
     [S * page, Hkv, D]; `gather(ids)`: a member's tail blocks as (keys, values) [L, Hkv, D]."""
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     hkv, d = keys.shape[1], keys.shape[2]
-    g = q.shape[1] // hkv
-    m = c.rows.numel()
-    qm = q.index_select(0, c.rows).view(m, hkv, g, d)
-    o_s, lse_s = flash(qm.permute(1, 0, 2, 3).reshape(1, hkv, m * g, d),
-                       keys.transpose(0, 1)[None], values.transpose(0, 1)[None], 0.0, False,
-                       scale=scale)
-    o_s = o_s.view(hkv, m, g, d).permute(1, 0, 2, 3)  # [m, Hkv, G, D]
-    lse_s = lse_s.view(hkv, m, g).permute(1, 0, 2)
+    qm = q.index_select(0, c.rows).view(c.rows.numel(), hkv, q.shape[1] // hkv, d)
+    o_s, lse_s = _stacked(qm, keys, values, scale)
     at = 0
     for (start, n), ids, mask in zip(c.spans, c.tail_ids, c.masks, strict=True):
         tk, tv = gather(ids)
-        qi = qm[at : at + n].permute(1, 0, 2, 3).reshape(1, hkv, n * g, d)
-        o_t, lse_t = flash(qi, tk.transpose(0, 1)[None], tv.transpose(0, 1)[None], 0.0, False,
-                           attn_mask=mask, scale=scale)
-        o_t = o_t.view(hkv, n, g, d).permute(1, 0, 2, 3)
-        lse_t = lse_t.view(hkv, n, g).permute(1, 0, 2)
-        ls, os_ = lse_s[at : at + n], o_s[at : at + n]
-        lse = torch.logaddexp(ls, lse_t)
-        merged = (os_.float() * torch.exp(ls - lse).unsqueeze(-1)
-                  + o_t.float() * torch.exp(lse_t - lse).unsqueeze(-1))
-        out[start : start + n] = merged.reshape(n, hkv * g, d).to(out.dtype)
+        o_t, lse_t = _stacked(qm[at : at + n], tk, tv, scale, mask)  # causal per query
+        out[start : start + n] = _merge(o_s[at : at + n], lse_s[at : at + n], o_t,
+                                        lse_t).to(out.dtype)
         at += n
+

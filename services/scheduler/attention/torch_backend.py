@@ -207,18 +207,21 @@ def _plan_cascades(plan: _Plan, meta: AttentionMetadata, dtype: torch.dtype,
     for the kernels."""
     rows, tokens = plan.decode_rows, plan.decode_tokens
     plan.cascades = cascade.plan_cascades(meta, rows, tokens, dtype)
-    grouped = {int(b) for c in plan.cascades for b in c.requests.tolist()}
-    rest = [i for i, b in enumerate(rows) if b not in grouped]
-    plan.rest_rows = torch.tensor([rows[i] for i in rest], dtype=torch.long, device=device)
-    plan.rest_tokens = torch.tensor([tokens[i] for i in rest], dtype=torch.long, device=device)
+    if plan.cascades:
+        grouped = {int(b) for c in plan.cascades for b in c.requests.tolist()}
+        rest = [i for i, b in enumerate(rows) if b not in grouped]
+        plan.rest_rows = torch.tensor([rows[i] for i in rest], dtype=torch.long, device=device)
+        plan.rest_tokens = torch.tensor([tokens[i] for i in rest], dtype=torch.long,
+                                        device=device)
     prompts = [b for b, n in enumerate(meta.query_lens_cpu) if n > 1]
     plan.extend_cascades = cascade.plan_extend_cascades(meta, prompts, plan.starts,
                                                         heads_per_kv, dtype)
-    starts = {c.spans[i][0] for c in plan.extend_cascades for i in range(len(c.spans))}
-    members = {b for b in prompts if plan.starts[b] in starts}
-    plan.prefill_rest = torch.tensor([b for b in plan.prefill_rows.tolist() if b not in members],
-                                     dtype=torch.long, device=device)
-    plan.sdpa_rest = [b for b in plan.sdpa_rows if b not in members]
+    if plan.extend_cascades:
+        members = {b for c in plan.extend_cascades for b in c.members}
+        plan.prefill_rest = torch.tensor(
+            [b for b in plan.prefill_rows.tolist() if b not in members], dtype=torch.long,
+            device=device)
+        plan.sdpa_rest = [b for b in plan.sdpa_rows if b not in members]
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, page_size: int,
@@ -363,8 +366,8 @@ class TorchBackend(AttentionBackend):
             slots = meta.slot_mapping if new is not None else None
             rows, tokens = (plan.rows, plan.tokens) if out is not None else (None, None)
             if rest:
-                rows, tokens = plan.rest_rows, plan.rest_tokens
-                if rows is None or rows.numel() == 0:
+                rows, tokens = plan.rest_rows, plan.rest_tokens  # planned with the cascades
+                if rows.numel() == 0:
                     return out
             return cpu_kernels().decode(q, k_cache, v_cache, plan.tables, plan.lens,
                                         meta.page_size, scale, window or 0, k, v, slots, rows,

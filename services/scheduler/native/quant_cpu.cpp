@@ -91,6 +91,29 @@ struct Ahead {
   int64_t per_step;
 };
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+
+// The codes and scales of the group this many groups ahead are asked for into L1 while one
+// computes: 32 KiB of int8 codes (P = 1 k per 16-byte row), 8 KiB of int4 (P = 2). A thread
+// walks its tiles' bytes in one ascending stream, but the hardware prefetchers stop at each
+// 4 KiB page and ramp up again after a few misses: at batch 1, where a step's weights come
+// from DRAM and each call reads only 0.1-1 MB, that left the kernels at 14-18 GB/s against
+// the machine's 44 (bench.quant_kernels --from-memory). Reading past the thread's last tile
+// only warms bytes nobody uses; a prefetch never faults.
+constexpr int64_t prefetch_groups(int P) { return P == 1 ? 64 : 32; }
+
+template <int P, typename S>
+inline void prefetch_group(const uint8_t* qg, const S* smg) {
+  constexpr int64_t QBYTES = GROUP / P * LANES;  // one group of a tile's codes
+  constexpr int64_t SBYTES = 2 * LANES * sizeof(S);  // its scales and minimums
+  const char* q_ahead = reinterpret_cast<const char*>(qg + prefetch_groups(P) * QBYTES);
+  const char* s_ahead = reinterpret_cast<const char*>(smg + prefetch_groups(P) * 2 * LANES);
+  for (int64_t b = 0; b < QBYTES; b += 64) _mm_prefetch(q_ahead + b, _MM_HINT_T0);
+  for (int64_t b = 0; b < SBYTES; b += 64) _mm_prefetch(s_ahead + b, _MM_HINT_T0);
+}
+
+#endif
+
 #ifdef __AVX512F__
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -118,7 +141,6 @@ inline void store_rows(__m512 (&acc)[R][chains<R>()], float* out, int64_t ldo, i
 // float32 vectors of codes.
 struct Int8Codes {
   static constexpr int PER_ROW = 1;
-  static constexpr int64_t PREFETCH_GROUPS = 64;  // 32 KiB ahead (see quant_tile)
   static void read(const uint8_t* row, __m512 (&c)[PER_ROW]) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row));
     c[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(raw));
@@ -127,7 +149,6 @@ struct Int8Codes {
 
 struct Int4Codes {
   static constexpr int PER_ROW = 2;
-  static constexpr int64_t PREFETCH_GROUPS = 32;  // 8 KiB ahead
   static void read(const uint8_t* row, __m512 (&c)[PER_ROW]) {
     const __m512i v = _mm512_cvtepu8_epi32(
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
@@ -135,22 +156,6 @@ struct Int4Codes {
     c[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
   }
 };
-
-// The codes and scales of the group PREFETCH_GROUPS ahead, asked for into L1 while this one
-// computes. A thread walks its tiles' bytes in one ascending stream, but the hardware
-// prefetchers stop at each 4 KiB page and ramp up again after a few misses: at batch 1, where a
-// step's weights come from DRAM and each call reads only 0.1-1 MB, that left the kernels at
-// 14-18 GB/s against the machine's 44 (bench.quant_kernels --from-memory). Reading past the
-// thread's last tile only warms bytes nobody uses; a prefetch never faults.
-template <typename C, typename S>
-inline void prefetch_group(const uint8_t* qg, const S* smg) {
-  constexpr int64_t QBYTES = GROUP / C::PER_ROW * LANES;  // one group of a tile's codes
-  constexpr int64_t SBYTES = 2 * LANES * sizeof(S);  // its scales and minimums
-  const char* q_ahead = reinterpret_cast<const char*>(qg + C::PREFETCH_GROUPS * QBYTES);
-  const char* s_ahead = reinterpret_cast<const char*>(smg + C::PREFETCH_GROUPS * 2 * LANES);
-  for (int64_t b = 0; b < QBYTES; b += 64) _mm_prefetch(q_ahead + b, _MM_HINT_T0);
-  for (int64_t b = 0; b < SBYTES; b += 64) _mm_prefetch(s_ahead + b, _MM_HINT_T0);
-}
 
 // R rows of x against one tile of codes C: out[r, 0..valid) for the tile's 16 channels.
 //
@@ -173,7 +178,7 @@ void quant_tile(const float* x, const float* xsum, const uint8_t* q, const S* sm
     const __m512 m = load16(sm + g * 2 * LANES + LANES);
     const uint8_t* qg = q + g * (GROUP / P) * LANES;
     const float* xg = x + g * GROUP * R;
-    prefetch_group<C>(qg, sm + g * 2 * LANES);
+    prefetch_group<P>(qg, sm + g * 2 * LANES);
     if constexpr (FACTORED)
       for (int r = 0; r < R; ++r)
         for (int u = 0; u < U; ++u) part[r][u] = _mm512_setzero_ps();
@@ -289,12 +294,6 @@ inline void load16_avx2(const at::Half* p, __m256& lo, __m256& hi) {
   hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
 }
 
-// 16 codes (bytes) as float32: channels 0-7 in lo, 8-15 in hi
-inline void codes16(__m128i codes, __m256& lo, __m256& hi) {
-  lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
-  hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
-}
-
 // quant_tile's factored form for 1-3 rows in AVX2 intrinsics (the AVX-512 one's arithmetic,
 // a tile's 16 channels as two 8-lane vectors): per group of 32 k, scale * sum(code x) +
 // minimum * sum(x), one FMA per code and row, the codes widened in registers and never
@@ -304,18 +303,14 @@ template <typename C, int R, typename S>
 void avx2_factored_tile(const float* x, const float* xsum, const uint8_t* q, const S* sm,
                         int64_t G, float* out, int64_t ldo, int valid) {
   constexpr int P = C::PER_ROW, U = R == 1 ? 4 : (R == 2 ? 2 : 1);
-  constexpr int64_t QBYTES = GROUP / P * LANES, AHEAD = P == 1 ? 64 : 32;  // groups
+  constexpr int64_t QBYTES = GROUP / P * LANES;
   const __m256i nibble = _mm256_set1_epi32(15);
   __m256 acc[R][2];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     const uint8_t* qg = q + g * QBYTES;
-    const char* ahead = reinterpret_cast<const char*>(qg + AHEAD * QBYTES);
-    for (int64_t b = 0; b < QBYTES; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
-    const char* sm_ahead = reinterpret_cast<const char*>(sm + (g + AHEAD) * 2 * LANES);
-    for (int64_t b = 0; b < 2 * LANES * int64_t(sizeof(S)); b += 64)
-      _mm_prefetch(sm_ahead + b, _MM_HINT_T0);
+    prefetch_group<P>(qg, sm + g * 2 * LANES);
     const float* xg = x + g * GROUP * R;
     __m256 part[R][U][2];
 #pragma GCC unroll 4
@@ -461,8 +456,8 @@ void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
 // 16 codes (bytes) to code * scale + min, into w[0..16)
 inline void dequant16(__m128i codes, __m256 s_lo, __m256 s_hi, __m256 m_lo, __m256 m_hi,
                       float* w) {
-  __m256 lo, hi;
-  codes16(codes, lo, hi);
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(codes, 8)));
   _mm256_storeu_ps(w, _mm256_fmadd_ps(lo, s_lo, m_lo));
   _mm256_storeu_ps(w + 8, _mm256_fmadd_ps(hi, s_hi, m_hi));
 }
