@@ -106,13 +106,21 @@ class ServerArgs:
         "prompt and output, no extra model), STANDALONE (a smaller draft model with the "
         "same vocabulary, --speculative-draft-model-path) or SELF (ours, not SGLang's: the "
         "target's own first --speculative-draft-layers layers and its head, no extra "
-        "weights); unset: off",
+        "weights, or a quantized copy of them: --speculative-draft-model-quantization); "
+        "unset: off",
         choices=["NGRAM", "STANDALONE", "SELF"])
     speculative_draft_model_path: str | None = _flag(
         None, "STANDALONE: the draft model, a transformers directory or GGUF file")
     speculative_draft_layers: int | None = _flag(
         None, "SELF: how many of the target's first layers draft (>= 1, fewer than the "
-        "model has); required for SELF")
+        "model has; all of them with --speculative-draft-model-quantization); required for "
+        "SELF unless its draft is quantized")
+    speculative_draft_model_quantization: str | None = _flag(
+        None, "the draft's weights quantized (SGLang's name): STANDALONE loads its draft model "
+        "so; SELF runs an int8 or int4 copy of the target's own weights (read again from its "
+        "files, --speculative-draft-layers of its layers, unset: all) as the draft, so a "
+        "float target's exact output comes at nearer the quantized model's speed; unset or "
+        "none: the draft runs as loaded", choices=["none", "int8", "int4"])
     speculative_num_draft_tokens: int | None = _flag(
         None, "draft tokens proposed per request per step, verified in one forward; unset: 8 "
         "for NGRAM (which drafts at most n + 1 after a suffix of n tokens matched), 4 for "
@@ -303,11 +311,24 @@ def speculative_error(args: ServerArgs) -> str | None:
 
 
 def _draft_layers_error(args: ServerArgs) -> str | None:
-    """--speculative-draft-layers goes with SELF, and SELF with it (its upper bound, the
-    model's layer count, is checked where the model is loaded)."""
+    """--speculative-draft-layers goes with SELF, and SELF with it or with a quantized draft
+    (its upper bound, the model's layer count, is checked where the model is loaded)."""
     layers = args.speculative_draft_layers
-    if args.speculative_algorithm == "SELF" and layers is None:
-        return "--speculative-algorithm SELF needs --speculative-draft-layers"
+    quantized = args.speculative_draft_model_quantization not in (None, "none")
+    if args.speculative_draft_model_quantization is not None and (
+        args.speculative_algorithm not in ("STANDALONE", "SELF")
+    ):
+        return ("--speculative-draft-model-quantization is for --speculative-algorithm "
+                f"STANDALONE or SELF, not {args.speculative_algorithm or 'no speculation'}")
+    if args.speculative_algorithm == "SELF" and layers is None and not quantized:
+        return ("--speculative-algorithm SELF needs --speculative-draft-layers (or a "
+                "quantized draft, --speculative-draft-model-quantization)")
+    if args.speculative_algorithm == "SELF" and quantized and (
+        args.speculative_draft_model_quantization == args.quantization
+    ):
+        return (f"--speculative-draft-model-quantization {args.quantization} is the target's "
+                "own --quantization: SELF's draft would be the target's own weights, leave it "
+                "unset")
     if layers is not None and args.speculative_algorithm != "SELF":
         return ("--speculative-draft-layers is for --speculative-algorithm SELF, not "
                 f"{args.speculative_algorithm or 'no speculation'}")

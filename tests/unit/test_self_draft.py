@@ -4,10 +4,13 @@ hidden state after layer L through that norm and head, in float64."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
-from services.scheduler.core.draft import DraftSeq
+from common.config import ServerArgs
+from services.scheduler.core.draft import DraftSeq, self_draft_proposer
 from services.scheduler.core.kv_pool import BlockPool
 from services.scheduler.executor.model_runner import ModelRunner
 from tests.helpers import make_tiny_llama
@@ -52,8 +55,34 @@ def test_the_draft_runs_only_its_first_layers_then_the_head(three_layers, layers
     assert (ours - full).abs().max().item() > 0.1  # not the whole model's
 
 
-def test_a_draft_of_every_layer_is_refused(three_layers):
+def _logits(draft: ModelRunner) -> torch.Tensor:
+    """Every position's logits of IDS through `draft`: a prompt, then one decode step."""
+    pool = BlockPool(draft.num_blocks, draft.page_size, enable_prefix_cache=False)
+    seq = DraftSeq(IDS[:-1], [], block_table=pool.allocate(3))
+    prompt = draft.forward([seq], [len(IDS) - 1], [len(IDS) - 1])
+    seq.num_computed = len(IDS) - 1
+    seq.output_ids.append(IDS[-1])
+    return torch.cat([prompt, draft.forward([seq], [1], [1])]).double()
+
+
+def test_a_draft_of_every_layer_is_refused_unless_quantized(three_layers):
+    """All the layers as they are would be the target itself; an int8 copy of them is the
+    target's logits to int8's rounding, from weights of its own."""
     target = ModelRunner(three_layers, max_total_tokens=512, device="cpu", dtype="float32")
+    args = ServerArgs(device="cpu", dtype="float32", speculative_algorithm="SELF",
+                      speculative_draft_layers=3)
     with pytest.raises(ValueError, match="--speculative-draft-layers must be >= 1 and < the "
                        "model's 3 layers, not 3"):
-        target.first_layers(3, 256)
+        self_draft_proposer(args, target, three_layers, None, 512)
+    args = replace(args, speculative_draft_model_quantization="int8")
+    draft = self_draft_proposer(args, target, three_layers, None, 512).runner
+    assert draft.model is not target.model and draft.linear_backend == "native_int8"
+    assert draft.num_layers == len(draft.kv_caches) == 3 and draft.num_blocks == 32
+    ours = _logits(draft)
+    served = ModelRunner(three_layers, max_total_tokens=512, device="cpu", dtype="float32",
+                         quantization="int8")  # the model served with --quantization int8
+    assert (ours - _logits(served)).abs().max().item() < 1e-4
+    ref = _reference(three_layers, IDS, 3)  # the float model's, which the target computes
+    err = (ours - ref).abs().max().item()
+    assert 0 < err < 0.05 * ref.abs().max().item(), err
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9

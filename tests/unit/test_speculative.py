@@ -99,7 +99,16 @@ def test_the_grammar_cuts_drafts_it_forbids_and_its_end(smol_path):
     (["--speculative-draft-model-path", "/m"],
      "--speculative-draft-model-path is for --speculative-algorithm STANDALONE, not NGRAM"),
     (["--speculative-algorithm", "SELF"],
-     "--speculative-algorithm SELF needs --speculative-draft-layers"),
+     "--speculative-algorithm SELF needs --speculative-draft-layers (or a quantized draft"),
+    (["--speculative-draft-model-quantization", "int4"],
+     "--speculative-draft-model-quantization is for --speculative-algorithm STANDALONE or "
+     "SELF, not NGRAM"),
+    (["--speculative-algorithm", "SELF", "--quantization", "int8",
+      "--speculative-draft-model-quantization", "int8"],
+     "--speculative-draft-model-quantization int8 is the target's own --quantization: SELF's "
+     "draft would be the target's own weights, leave it unset"),
+    (["--speculative-algorithm", "SELF", "--speculative-draft-model-quantization", "int2"],
+     "argument --speculative-draft-model-quantization: invalid choice: 'int2'"),
     (["--speculative-draft-layers", "20"],
      "--speculative-draft-layers is for --speculative-algorithm SELF, not NGRAM"),
     (["--speculative-algorithm", "SELF", "--speculative-draft-layers", "0"],
@@ -125,6 +134,12 @@ def test_the_offline_engine_gets_the_same_errors():
     with pytest.raises(ValueError, match="--speculative-algorithm SELF needs "
                        "--speculative-draft-layers"):
         spec_config(ServerArgs(speculative_algorithm="SELF"))
+    quantized = spec_config(ServerArgs(speculative_algorithm="SELF",
+                                       speculative_draft_model_quantization="int4"))
+    assert (quantized.draft_layers, quantized.draft_quantization) == (None, "int4")
+    with pytest.raises(ValueError, match="--speculative-draft-model-quantization is for "
+                       "--speculative-algorithm STANDALONE or SELF, not no speculation"):
+        spec_config(ServerArgs(speculative_draft_model_quantization="int4"))
     with pytest.raises(ValueError, match="--speculative-draft-layers is for "
                        "--speculative-algorithm SELF, not no speculation"):
         spec_config(ServerArgs(speculative_draft_layers=3))

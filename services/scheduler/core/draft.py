@@ -3,7 +3,8 @@ SELF, the target's own first L layers.
 
 A second, smaller model with the target's vocabulary (STANDALONE), or the target itself run
 through its first `--speculative-draft-layers` layers, then its final norm and lm_head (SELF:
-the same module objects, no weights of its own; `ModelRunner.first_layers`), proposes each
+the same module objects, no weights of its own; `ModelRunner.first_layers`; or, with
+`--speculative-draft-model-quantization`, an int8/int4 copy of them), proposes each
 decoding request's next k tokens greedily (deterministic drafts: verification stays exact,
 `speculative.py`). It keeps its own paged KV: a pool of its own blocks, one `DraftSeq` per
 request (on the request, as its proposer state), released when the request ends. SELF's KV of
@@ -178,19 +179,47 @@ def draft_proposer(args: ServerArgs, target: ModelRunner, target_tokenizer: Path
         path, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend,
         page_size=args.page_size, max_total_tokens=target.num_blocks * target.page_size,
         max_model_len=max_model_len,
-        gguf_path=gguf_source(args.speculative_draft_model_path))
+        quantization=args.speculative_draft_model_quantization or "none",
+        gguf_path=gguf_source(args.speculative_draft_model_path), draft=True)
     log.info(f"draft model {path.name}: {runner.num_parameters / 1e6:.0f}M parameters, "
-             f"its own KV cache of {runner.kv_bytes / (1 << 30):.2f} GiB")
+             f"weights {runner.linear_backend}, its own KV cache of "
+             f"{runner.kv_bytes / (1 << 30):.2f} GiB")
     return DraftModelProposer(runner, target.vocab_size)
 
 
-def self_draft_proposer(args: ServerArgs, target: ModelRunner) -> DraftModelProposer:
+def self_draft_proposer(args: ServerArgs, target: ModelRunner, path: Path,
+                        gguf_path: Path | None, max_model_len: int) -> DraftModelProposer:
     """SELF: the target's first --speculative-draft-layers layers as its draft, with a KV pool
-    of the target's token count for those layers (its bytes on top: the start-up log says)."""
-    runner = target.first_layers(args.speculative_draft_layers,
-                                 target.num_blocks * target.page_size)
-    log.info(f"self-speculative draft: the target's first {runner.num_layers} of "
-             f"{target.num_layers} layers and its head, its own KV cache of "
+    of the target's token count for those layers (its bytes on top: the start-up log says).
+
+    With --speculative-draft-model-quantization int8 or int4 the draft is a quantized copy of
+    the target (its weights read again from `path`, the layers past the draft's dropped): its
+    proposals are the quantized model's greedy tokens, which mostly are the target's, and it
+    runs at the quantized model's speed; verification keeps the target's exact output."""
+    tokens = target.num_blocks * target.page_size
+    mode = args.speculative_draft_model_quantization or "none"
+    layers = args.speculative_draft_layers
+    if mode == "none":
+        if not 1 <= layers < target.num_layers:
+            raise ValueError(f"--speculative-draft-layers must be >= 1 and < the model's "
+                             f"{target.num_layers} layers, not {layers}")
+        runner = target.first_layers(layers, tokens)
+        weights = "the target's own"
+    else:
+        layers = target.num_layers if layers is None else layers
+        if not 1 <= layers <= target.num_layers:
+            raise ValueError(f"--speculative-draft-layers must be >= 1 and <= the model's "
+                             f"{target.num_layers} layers, not {layers}")
+        copy = ModelRunner(
+            path, device=args.device, dtype=args.dtype,
+            attention_backend=args.attention_backend, page_size=args.page_size,
+            max_total_tokens=args.page_size, max_model_len=max_model_len, quantization=mode,
+            gguf_path=gguf_path, draft=True)
+        del copy.model.layers[layers:]  # never run: their weights go
+        runner = copy.first_layers(layers, tokens)
+        weights = f"a {mode} copy ({runner.linear_backend}) of the target's"
+    log.info(f"self-speculative draft: {weights} first {runner.num_layers} of "
+             f"{target.num_layers} layers and head, its own KV cache of "
              f"{runner.kv_bytes / (1 << 30):.2f} GiB")
     return DraftModelProposer(runner, target.vocab_size)
 

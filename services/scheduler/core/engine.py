@@ -59,6 +59,7 @@ class EngineCore:
     def __init__(self, args: ServerArgs, model_path: Path | None = None) -> None:
         self.args = args
         path = model_path or prepare_model(args.model, args.cache_dir)
+        gguf = gguf_source(args.model) if model_path is None else None
         self.info = model_info(path, args.served_model_name, args.model, args.chat_template)
         self.runner = ModelRunner(
             path,
@@ -72,14 +73,14 @@ class EngineCore:
             max_model_len=args.max_model_len,
             num_threads=args.num_threads,
             quantization=args.quantization,
-            gguf_path=gguf_source(args.model) if model_path is None else None,
+            gguf_path=gguf,
         )
         self.loras = LoraAdmin(self.runner, args, self.info.name)
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.num_blocks, args.page_size, not args.disable_prefix_cache)
         self.loras.forget_cached = self.pool.forget
         self.scheduler = Scheduler(scheduler_config(args, self.max_model_len), self.pool)
-        self.spec = self._speculator(args)
+        self.spec = self._speculator(args, path, gguf)
         self.eos_ids = set(self.info.eos_token_ids)
         self.grammars = GrammarCompiler(
             XGrammarBackend(self.info.tokenizer_json, self.runner.vocab_size,
@@ -98,7 +99,8 @@ class EngineCore:
         self.generation_tokens_total = 0
         self.last_step = StepStats()
 
-    def _speculator(self, args: ServerArgs) -> Speculator | None:
+    def _speculator(self, args: ServerArgs, path: Path,
+                    gguf: Path | None) -> Speculator | None:
         """The flags' speculative decoding with its proposer (None: off)."""
         spec = spec_config(args)
         if spec is None:
@@ -108,7 +110,7 @@ class EngineCore:
             draft = draft_proposer(args, self.runner, self.info.tokenizer_json,
                                    self.max_model_len)
         elif spec.algorithm == "SELF":
-            draft = self_draft_proposer(args, self.runner)
+            draft = self_draft_proposer(args, self.runner, path, gguf, self.max_model_len)
         speculator = Speculator(spec, self.max_model_len, draft)
         log.info(f"speculative decoding: {spec.algorithm}, {spec.num_draft_tokens} draft "
                  f"tokens a step, off above {spec.disable_by_batch_size} running requests",

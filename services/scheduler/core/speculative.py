@@ -53,6 +53,7 @@ class SpecConfig:
     # verifying k drafts each costs about k decode rows' matmul work
     disable_by_batch_size: int = 8
     draft_layers: int | None = None  # SELF: the target's first layers that draft
+    draft_quantization: str | None = None  # STANDALONE, SELF: the draft's weights
 
 
 def spec_config(args: ServerArgs) -> SpecConfig | None:
@@ -73,7 +74,8 @@ def spec_config(args: ServerArgs) -> SpecConfig | None:
     return SpecConfig(algorithm=args.speculative_algorithm, num_draft_tokens=k, ngram_min=lo,
                       ngram_max=hi,
                       disable_by_batch_size=args.speculative_disable_by_batch_size,
-                      draft_layers=args.speculative_draft_layers)
+                      draft_layers=args.speculative_draft_layers,
+                      draft_quantization=args.speculative_draft_model_quantization)
 
 
 @dataclass
@@ -173,6 +175,8 @@ class Speculator:
                 "ngram_max_match_window_size": c.ngram_max,
                 "disable_by_batch_size": c.disable_by_batch_size,
                 **({"draft_layers": c.draft_layers} if c.draft_layers is not None else {}),
+                **({"draft_model_quantization": c.draft_quantization}
+                   if c.draft_quantization is not None else {}),
                 "acceptance_rate": round(self.stats.acceptance_rate, 4)}
 
 

@@ -124,12 +124,14 @@ class ModelRunner:
         num_threads: int | None = None,
         quantization: str = "none",
         gguf_path: Path | None = None,
+        draft: bool = False,
     ) -> None:
         if num_threads:
             torch.set_num_threads(num_threads)
         self.device = pick_device(device)
         self._pick_dtypes(dtype)
         self.page_size = page_size
+        self.is_draft = draft  # a speculative draft's: its proposer logs its KV cache
         self.backend = get_backend(attention_backend, self.device)
         self._load(model_path, max_model_len, quantization, gguf_path)
         self.num_blocks = self._size_pool(max_total_tokens, mem_fraction_static, cpu_memory_gib)
@@ -258,8 +260,8 @@ class ModelRunner:
             for _ in range(self.num_layers)
         ]
         self.kv_bytes = slots * self.kv_bytes_per_token
-        if self.num_layers < self.config["num_hidden_layers"]:
-            return  # a draft of the first layers (first_layers): its proposer logs it
+        if self.is_draft:
+            return  # a speculative draft's (first_layers, core/draft.py): its proposer logs it
         # the C++ decode kernel's vector path (avx512_bf16, avx512, avx2 or portable): what
         # -march=native built for this CPU
         isa = cpu_kernels().isa() if self.attention_kernel == "native" else None
@@ -275,11 +277,11 @@ class ModelRunner:
         computes only layers [0, num_layers), then the final norm and the lm_head, into a KV
         cache of its own for those layers (`max_total_tokens` of them): a self-speculative
         draft (core/draft.py). It shares the attention backend and the LoRA set too, which
-        hold nothing across forwards but a step's plan and scratch buffers."""
-        if not 1 <= num_layers < self.num_layers:
-            raise ValueError(f"--speculative-draft-layers must be >= 1 and < the model's "
-                             f"{self.num_layers} layers, not {num_layers}")
+        hold nothing across forwards but a step's plan and scratch buffers. (All the layers
+        only for a quantized copy of the target: core/draft.py.)"""
+        assert 1 <= num_layers <= self.num_layers, f"{num_layers} of {self.num_layers} layers"
         draft = copy.copy(self)
+        draft.is_draft = True
         draft.num_layers = num_layers
         draft.num_blocks = max(1, -(-max_total_tokens // self.page_size))
         draft._allocate_kv()
