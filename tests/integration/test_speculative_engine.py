@@ -264,6 +264,19 @@ def test_a_draft_model_proposes_and_keeps_the_output(tiny_model_dir, plain):
     stats = engine.spec.stats
     assert stats.num_accepted_tokens > 0 and stats.num_drafts > 20
     assert engine.spec.proposer.pool.num_used == 0  # (check_integrity ran too)
+    assert engine.spec.proposer.runner.quantization is None  # as loaded
+
+
+def test_a_quantized_draft_model_keeps_the_output(tiny_model_dir, plain):
+    engine, got = _run(tiny_model_dir, MIXED[:3], spec=True, speculative_algorithm="STANDALONE",
+                       speculative_draft_model_path=str(tiny_model_dir),
+                       speculative_draft_model_quantization="int4")
+    for rid in got:
+        assert got[rid]["ids"] == plain[rid]["ids"], rid
+    assert engine.spec.proposer.runner.linear_backend == "native_int4"
+    assert engine.runner.quantization is None
+    stats = engine.spec.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_model_dir, tmp_path):
