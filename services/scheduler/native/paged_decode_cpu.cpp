@@ -41,7 +41,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -645,9 +647,22 @@ struct Piece {
 // more than the balance they buy.
 constexpr int64_t kMinPiece = 64;
 
-// K and V bytes below which a step runs on one thread (1 MiB: SmolLM2's 680 float32 positions,
-// 1,365 bfloat16; split over two cores, 1,024 float32 positions were already about even)
-constexpr int64_t kSerialBytes = int64_t{1} << 20;
+// K and V bytes below which a step runs on one thread. Under OMP_WAIT_POLICY=PASSIVE (which
+// every bench module sets) a waiting OpenMP thread sleeps at once, and waking it costs 15-20 us,
+// more than a batch-1 step at a context of 256 takes on one core: 1 MiB (SmolLM2's 680 float32
+// positions, 1,365 bfloat16; split over two cores, 1,024 float32 positions were about even).
+// Under libgomp's default (the server's) or ACTIVE the pool's threads are still spinning from
+// the step's last parallel call (a projection's) and start at once: 16 KiB (an AVX2 EPYC, 30
+// layers of SmolLM2 at batch 1, float32, ms a step: 256 positions 0.71 against 0.88 on one
+// thread, 640 positions 1.99 against 2.92, 64 the same).
+int64_t serial_bytes() {
+  static const int64_t bytes = [] {
+    std::string policy = std::getenv("OMP_WAIT_POLICY") ? std::getenv("OMP_WAIT_POLICY") : "";
+    for (char& c : policy) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+    return policy == "passive" ? int64_t{1} << 20 : int64_t{1} << 14;
+  }();
+  return bytes;
+}
 
 struct Step {
   int64_t N, Hq, Hkv, D, page, W;
@@ -679,10 +694,9 @@ void attend(const Step& s, const T* q, const T* kc, const T* vc, T* out, PieceFn
   };
   int64_t total = 0;
   for (int64_t n = 0; n < s.N; ++n) total += s.lens[request(n)] - first(n);
-  // A small step runs on the calling thread: waking a sleeping OpenMP thread (the passive wait
-  // policy) costs 15-20 us, more than a batch-1 step at a context of 256 takes on one core
-  // (SmolLM2, float32: 14 us alone against 34 us split over two).
-  const bool small = total * s.Hkv * D * static_cast<int64_t>(sizeof(T)) * 2 < kSerialBytes;
+  // A small step runs on the calling thread (serial_bytes: where waking the pool costs more
+  // than the split gains)
+  const bool small = total * s.Hkv * D * static_cast<int64_t>(sizeof(T)) * 2 < serial_bytes();
   const int threads = small ? 1 : at::get_num_threads();
   // about four pieces per core in all, whole blocks each, none shorter than kMinPiece (one
   // core: one piece a request, nothing to merge)
