@@ -471,3 +471,41 @@ def test_offline_engine_takes_an_adapter_per_prompt(tiny_model_dir, adapters):
     engine.unload_lora_adapter("all16")
     with pytest.raises(ValueError, match="does not exist"):
         engine.unload_lora_adapter("all16")
+
+
+@pytest.mark.parametrize("spec", [
+    {"speculative_algorithm": "NGRAM"},
+    {"speculative_algorithm": "SELF", "speculative_draft_layers": 1},
+    {"speculative_algorithm": "SELF", "speculative_draft_model_quantization": "int8"},
+    {"speculative_algorithm": "STANDALONE"},
+], ids=["NGRAM", "SELF-1-layer", "SELF-int8", "STANDALONE"])
+def test_adapters_keep_their_output_under_speculation(tiny_model_dir, adapters, spec):
+    """Greedy requests under three adapters and the base, in one batch, give the same tokens
+    with drafts as without: the target verifies under each request's adapter whatever drafted
+    (SELF's first layers under the same adapter, a quantized copy and a draft model without)."""
+    from common.messages import SamplingParams, TokenizedReq
+    from services.scheduler.core.engine import EngineCore
+    from tests.helpers import engine_args, run_engine
+
+    paths = [f"{n}={d}" for n, (d, _) in adapters.items()]
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    names = [None, *ADAPTERS]
+    # a repeated phrase, so that n-gram lookup finds something to draft
+    prompts = [[700 + 3 * i + j % 7 for j in range(35)] for i in range(len(names))]
+    reqs = [TokenizedReq(rid=str(i), gateway_id="g", input_ids=prompts[i], params=params,
+                         lora_name=names[i]) for i in range(len(names))]
+    if spec["speculative_algorithm"] == "STANDALONE":
+        spec = {**spec, "speculative_draft_model_path": str(tiny_model_dir)}
+
+    def run(**flags):
+        engine = EngineCore(engine_args(tiny_model_dir, lora_paths=paths, max_loras_per_batch=4,
+                                        debug_check_integrity=True, **flags))
+        tokens, _, _ = run_engine(engine, reqs)
+        engine.check_integrity()
+        return engine, tokens
+
+    _, plain = run()
+    engine, drafted = run(speculative_num_draft_tokens=3, **spec)
+    assert drafted == plain
+    assert len({tuple(t) for t in plain.values()}) == len(names)  # the adapters do differ
+    assert engine.spec.stats.num_drafts > 0 and engine.spec.stats.num_accepted_tokens > 0
