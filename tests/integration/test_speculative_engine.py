@@ -325,6 +325,19 @@ def test_a_quantized_self_draft_keeps_the_output(tiny_model_dir, plain, mode):
     assert proposer.pool.num_free == proposer.pool.num_blocks
 
 
+def test_an_int8_target_keeps_its_output_under_its_own_int4_draft(tiny_model_dir):
+    """--quantization int8 with SELF's int4 copy: the int8 model's own output, token for
+    token, and the copy is int4 while the target stays int8."""
+    base = _run(tiny_model_dir, MIXED[:3], spec=False, quantization="int8")[1]
+    engine, got = _run(tiny_model_dir, MIXED[:3], spec=True, quantization="int8",
+                       speculative_algorithm="SELF", speculative_draft_model_quantization="int4")
+    for rid in base:
+        assert got[rid]["ids"] == base[rid]["ids"], rid
+    assert engine.runner.linear_backend.endswith("int8")
+    assert engine.spec.proposer.runner.linear_backend.endswith("int4")
+    assert 0 < engine.spec.stats.num_accepted_tokens < engine.spec.stats.num_draft_tokens
+
+
 def test_a_quantized_self_draft_of_the_first_layer_drops_the_rest(tiny_model_dir, plain):
     engine, got = _run(tiny_model_dir, MIXED[:2], spec=True, speculative_algorithm="SELF",
                        speculative_draft_model_quantization="int4", speculative_draft_layers=1)
