@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from common.messages import AbortReq, SamplingParams, StructuredOutputs, TokenizedReq
@@ -303,6 +304,50 @@ def test_the_self_draft_keeps_the_output_and_gives_back_its_kv(tiny_model_dir, p
     proposer = engine.spec.proposer
     assert engine.spec.stats.num_drafts > 20
     assert proposer.runner.model is engine.runner.model and len(proposer.runner.kv_caches) == 1
+    assert proposer.pool.num_free == proposer.pool.num_blocks
+
+
+@pytest.mark.parametrize("flags", [{"speculative_draft_layers": 1},
+                                   {"speculative_draft_model_quantization": "int4"}],
+                         ids=["first-layer", "int4-copy"])
+def test_the_self_draft_copies_what_the_target_verified(tiny_model_dir, plain, flags):
+    """SELF takes the prompt's and the accepted tokens' KV from the target's cache: the draft
+    runs one position per request a forward (no prefill of the prompt), its cache holds the
+    target's K and V for the prompt, and the output is unchanged."""
+    engine = EngineCore(engine_args(tiny_model_dir, speculative_algorithm="SELF",
+                                    speculative_num_draft_tokens=4, debug_check_integrity=True,
+                                    **flags))
+    proposer = engine.spec.proposer
+    rows: list[int] = []
+    forward = proposer.runner.forward
+
+    def counted(seqs, ns, *args, **kwargs):
+        rows.append(max(ns))
+        return forward(seqs, ns, *args, **kwargs)
+
+    proposer.runner.forward = counted
+    reqs = _reqs(MIXED[:2])
+    for r in reqs:
+        engine.submit(r)
+    outs, checked = [], False
+    while engine.has_work():
+        outs += engine.step()
+        for req in engine.scheduler.running:
+            seq = req.proposer_state
+            if checked or seq is None or seq.num_computed < len(req.prompt_ids):
+                continue
+            page, n = proposer.page_size, len(req.prompt_ids)
+            pos = torch.arange(n)
+            src = torch.tensor(req.block_table)[pos // page] * page + pos % page
+            dst = torch.tensor(seq.block_table)[pos // page] * page + pos % page
+            (dk, dv), (tk, tv) = proposer.runner.kv_caches[0], engine.runner.kv_caches[0]
+            assert torch.equal(dk[dst], tk[src]) and torch.equal(dv[dst], tv[src])
+            checked = True
+    got = _collect(outs)
+    for rid in got:
+        assert got[rid]["ids"] == plain[rid]["ids"], rid
+    assert checked and engine.spec.stats.num_drafts > 10
+    assert rows and max(rows) == 1  # one position per request a forward: nothing caught up
     assert proposer.pool.num_free == proposer.pool.num_blocks
 
 

@@ -15,8 +15,11 @@ L / num_layers of the target's KV bytes.
 Each step, for the requests that draft:
 
     draft KV valid up to  min(seq.num_computed, req.num_computed)   (accepted tokens kept)
-    forward 1: catch up   tokens [valid, len(tokens)): the last verified token, or the
-                          prompt on a request's first draft (in chunks), logits of the last
+    SELF: copy            the target's KV of [valid, req.num_computed) for the draft's
+                          layers: the prompt, or the accepted drafts the draft did not run
+    forward 1: catch up   tokens [valid, len(tokens)): the last verified token (SELF: only
+                          the step's new token), or the prompt on a request's first draft
+                          (in chunks; STANDALONE), logits of the last
     forwards 2..k:        one token each, the draft just proposed, at the next position
 
 Rejected drafts' KV lies past the valid end and is overwritten, as in the target.
@@ -55,7 +58,8 @@ class DraftSeq:
 
 
 class DraftModelProposer:
-    def __init__(self, runner: ModelRunner, target_vocab_size: int) -> None:
+    def __init__(self, runner: ModelRunner, target_vocab_size: int,
+                 kv_source: ModelRunner | None = None) -> None:
         if runner.vocab_size != target_vocab_size:
             raise ValueError(
                 f"--speculative-draft-model-path: the draft model's vocabulary has "
@@ -64,6 +68,17 @@ class DraftModelProposer:
         self.runner = runner
         self.pool = BlockPool(runner.num_blocks, runner.page_size, enable_prefix_cache=False)
         self.page_size = runner.page_size
+        # SELF: the target's KV of its first layers is what the draft would compute (the same
+        # layers: exactly; a quantized copy of them: nearly), so a request's verified tokens
+        # are copied from the target's cache, not run through the draft (_copy_verified)
+        self.kv_source = kv_source
+        if kv_source is not None:
+            (dk, _), (tk, _) = runner.kv_caches[0], kv_source.kv_caches[0]
+            if (dk.shape[1:], dk.dtype, dk.device) != (tk.shape[1:], tk.dtype, tk.device):
+                log.info("the draft's KV is not laid out as the target's: it computes the "
+                         "tokens the target verified itself", draft=str(dk.dtype),
+                         target=str(tk.dtype))
+                self.kv_source = None
 
     def new_state(self) -> None:
         return None  # made on the request's first draft, with its lists
@@ -79,6 +94,9 @@ class DraftModelProposer:
             seq = self._seq(req)
             seq.num_computed = min(seq.num_computed, req.num_computed)
             seq.draft_ids = []
+            if self.kv_source is not None and seq.num_computed < req.num_computed:
+                if self._reserve(seq, req.num_computed):
+                    self._copy_verified(req, seq)
             n = min(req.num_tokens - seq.num_computed, CATCH_UP_CHUNK)
             if not self._reserve(seq, seq.num_computed + n + k - 1):
                 n = 0
@@ -117,6 +135,21 @@ class DraftModelProposer:
             lora = req.lora_name if self.runner.lora is not None else None
             req.proposer_state = DraftSeq(req.prompt_ids, req.output_ids, lora_name=lora)
         return req.proposer_state
+
+    def _copy_verified(self, req: Request, seq: DraftSeq) -> None:
+        """The target's K and V of positions [seq.num_computed, req.num_computed) (tokens it
+        has verified: a prompt, or a step's accepted drafts) into the draft's cache, for the
+        draft's layers: a copy, where a catch-up forward of the draft would cost a prefill."""
+        page, dev = self.page_size, self.runner.kv_caches[0][0].device
+        pos = torch.arange(seq.num_computed, req.num_computed, device=dev)
+        blocks, offsets = pos // page, pos % page
+        src = torch.tensor(req.block_table, device=dev)[blocks] * page + offsets
+        dst = torch.tensor(seq.block_table, device=dev)[blocks] * page + offsets
+        target = self.kv_source.kv_caches[: len(self.runner.kv_caches)]  # its first L layers
+        for (dk, dv), (tk, tv) in zip(self.runner.kv_caches, target, strict=True):
+            dk[dst] = tk[src]
+            dv[dst] = tv[src]
+        seq.num_computed = req.num_computed
 
     def _reserve(self, seq: DraftSeq, tokens: int) -> bool:
         """Blocks for the draft's KV up to `tokens` positions; False if the pool is short."""
@@ -221,7 +254,7 @@ def self_draft_proposer(args: ServerArgs, target: ModelRunner, path: Path,
     log.info(f"self-speculative draft: {weights} first {runner.num_layers} of "
              f"{target.num_layers} layers and head, its own KV cache of "
              f"{runner.kv_bytes / (1 << 30):.2f} GiB")
-    return DraftModelProposer(runner, target.vocab_size)
+    return DraftModelProposer(runner, target.vocab_size, kv_source=target)
 
 
 def check_same_vocabulary(draft: Path, target: Path, flag_value: str) -> None:
