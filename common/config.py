@@ -129,8 +129,10 @@ class ServerArgs:
         1, "NGRAM: shortest suffix of the tokens so far that is looked up earlier in them")
     speculative_ngram_max_match_window_size: int = _flag(
         8, "NGRAM: longest such suffix (the longest that matches wins)")
-    speculative_disable_by_batch_size: int = _flag(
-        8, "no drafts while more requests than this run (a large batch is compute-bound)")
+    speculative_disable_by_batch_size: int | None = _flag(
+        None, "no drafts while more requests than this run (a large batch is compute-bound, "
+        "and a draft model's forwards grow with it); unset: 8 for NGRAM, 3 for STANDALONE and "
+        "SELF")
     # routing (the tokenizer picks the scheduler; names as SGLang's router has them)
     load_balance_method: str = _flag(
         "cache_aware", "how a request's scheduler is picked: cache_aware (where its prefix is "
@@ -304,7 +306,8 @@ def speculative_error(args: ServerArgs) -> str | None:
                 f"--speculative-ngram-max-match-window-size, not {lo} and {hi}")
     if (error := lora_error(args)) is not None:
         return error
-    if args.speculative_disable_by_batch_size < 1:
+    if args.speculative_disable_by_batch_size is not None and \
+            args.speculative_disable_by_batch_size < 1:
         return ("--speculative-disable-by-batch-size must be >= 1, not "
                 f"{args.speculative_disable_by_batch_size}")
     return None

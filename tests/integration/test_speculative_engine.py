@@ -61,6 +61,8 @@ def _run(model, params, spec: bool, proposer_from=None, closeout: bool = True, *
     if spec:
         flags.setdefault("speculative_algorithm", "NGRAM")
         flags.setdefault("speculative_num_draft_tokens", 4)
+        # MIXED is 7 requests at once: every one drafts (a draft model's default stops at 3)
+        flags.setdefault("speculative_disable_by_batch_size", 8)
     engine = EngineCore(engine_args(model, **flags))
     if not closeout:
         engine.closer = None  # JSON runs on to max_tokens: the tokens the sampler drew

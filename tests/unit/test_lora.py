@@ -510,7 +510,8 @@ def test_adapters_keep_their_output_under_speculation(tiny_model_dir, adapters, 
     if "plain" not in _PLAIN_UNDER_ADAPTERS:  # the run without drafts, once per module
         _PLAIN_UNDER_ADAPTERS["plain"] = run()[1]
     plain = _PLAIN_UNDER_ADAPTERS["plain"]
-    engine, drafted = run(speculative_num_draft_tokens=3, **spec)
+    engine, drafted = run(speculative_num_draft_tokens=3, speculative_disable_by_batch_size=4,
+                          **spec)  # all four requests draft
     assert drafted == plain
     assert len({tuple(t) for t in plain.values()}) == len(names)  # the adapters do differ
     assert engine.spec.stats.num_drafts > 0 and engine.spec.stats.num_accepted_tokens > 0

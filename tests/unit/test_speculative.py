@@ -127,10 +127,15 @@ def test_the_offline_engine_gets_the_same_errors():
     assert spec_config(ServerArgs()) is None
     ngram = spec_config(ServerArgs(speculative_algorithm="NGRAM"))
     assert (ngram.num_draft_tokens, ngram.ngram_min, ngram.ngram_max) == (8, 1, 8)
+    assert ngram.disable_by_batch_size == 8
     standalone = ServerArgs(speculative_algorithm="STANDALONE", speculative_draft_model_path="/m")
-    assert spec_config(standalone).num_draft_tokens == 4
+    assert (spec_config(standalone).num_draft_tokens,
+            spec_config(standalone).disable_by_batch_size) == (4, 3)
     self_draft = spec_config(ServerArgs(speculative_algorithm="SELF", speculative_draft_layers=20))
     assert (self_draft.num_draft_tokens, self_draft.draft_layers) == (4, 20)
+    assert self_draft.disable_by_batch_size == 3  # a draft model's forwards grow with the batch
+    assert spec_config(ServerArgs(speculative_algorithm="SELF", speculative_draft_layers=20,
+                                  speculative_disable_by_batch_size=6)).disable_by_batch_size == 6
     with pytest.raises(ValueError, match="--speculative-algorithm SELF needs "
                        "--speculative-draft-layers"):
         spec_config(ServerArgs(speculative_algorithm="SELF"))
