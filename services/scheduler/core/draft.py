@@ -72,13 +72,9 @@ class DraftModelProposer:
         # layers: exactly; a quantized copy of them: nearly), so a request's verified tokens
         # are copied from the target's cache, not run through the draft (_copy_verified)
         self.kv_source = kv_source
-        if kv_source is not None:
+        if kv_source is not None:  # built from the target's own args: the same KV layout
             (dk, _), (tk, _) = runner.kv_caches[0], kv_source.kv_caches[0]
-            if (dk.shape[1:], dk.dtype, dk.device) != (tk.shape[1:], tk.dtype, tk.device):
-                log.info("the draft's KV is not laid out as the target's: it computes the "
-                         "tokens the target verified itself", draft=str(dk.dtype),
-                         target=str(tk.dtype))
-                self.kv_source = None
+            assert (dk.shape[1:], dk.dtype) == (tk.shape[1:], tk.dtype), (dk.shape, tk.shape)
 
     def new_state(self) -> None:
         return None  # made on the request's first draft, with its lists
@@ -89,19 +85,22 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose_batch(self, reqs: list[Request], ks: list[int]) -> list[list[int]]:
         """Up to ks[i] greedy drafts for each request (none for one still catching up)."""
-        seqs, ns = [], []
+        seqs, ns, copies = [], [], []
         for req, k in zip(reqs, ks, strict=True):
             seq = self._seq(req)
             seq.num_computed = min(seq.num_computed, req.num_computed)
             seq.draft_ids = []
-            if self.kv_source is not None and seq.num_computed < req.num_computed:
-                if self._reserve(seq, req.num_computed):
-                    self._copy_verified(req, seq)
-            n = min(req.num_tokens - seq.num_computed, CATCH_UP_CHUNK)
-            if not self._reserve(seq, seq.num_computed + n + k - 1):
+            # SELF: the target's verified tokens come from its cache, the rest is run
+            start = req.num_computed if self.kv_source is not None else seq.num_computed
+            n = min(req.num_tokens - start, CATCH_UP_CHUNK)
+            if not self._reserve(seq, start + n + k - 1):
                 n = 0
+            elif start > seq.num_computed:
+                copies.append((req, seq))
             seqs.append(seq)
             ns.append(n)
+        if copies:
+            self._copy_verified(copies)
         live = [i for i, n in enumerate(ns) if n]
         drafts: list[list[int]] = [[] for _ in reqs]
         if not live:
@@ -136,20 +135,25 @@ class DraftModelProposer:
             req.proposer_state = DraftSeq(req.prompt_ids, req.output_ids, lora_name=lora)
         return req.proposer_state
 
-    def _copy_verified(self, req: Request, seq: DraftSeq) -> None:
-        """The target's K and V of positions [seq.num_computed, req.num_computed) (tokens it
-        has verified: a prompt, or a step's accepted drafts) into the draft's cache, for the
-        draft's layers: a copy, where a catch-up forward of the draft would cost a prefill."""
-        page, dev = self.page_size, self.runner.kv_caches[0][0].device
-        pos = torch.arange(seq.num_computed, req.num_computed, device=dev)
-        blocks, offsets = pos // page, pos % page
-        src = torch.tensor(req.block_table, device=dev)[blocks] * page + offsets
-        dst = torch.tensor(seq.block_table, device=dev)[blocks] * page + offsets
+    def _copy_verified(self, pairs: list[tuple[Request, DraftSeq]]) -> None:
+        """For each (request, its draft), the target's K and V of positions
+        [seq.num_computed, req.num_computed) (tokens it has verified: a prompt, or a step's
+        accepted drafts) into the draft's cache, for the draft's layers, in one gather and
+        scatter a layer for all of them: where a catch-up forward of the draft would cost a
+        prefill."""
+        page = self.page_size
+        src, dst = [], []
+        for req, seq in pairs:
+            for p in range(seq.num_computed, req.num_computed):
+                src.append(req.block_table[p // page] * page + p % page)
+                dst.append(seq.block_table[p // page] * page + p % page)
+            seq.num_computed = req.num_computed
+        dev = self.runner.kv_caches[0][0].device
+        src_t, dst_t = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
         target = self.kv_source.kv_caches[: len(self.runner.kv_caches)]  # its first L layers
         for (dk, dv), (tk, tv) in zip(self.runner.kv_caches, target, strict=True):
-            dk[dst] = tk[src]
-            dv[dst] = tv[src]
-        seq.num_computed = req.num_computed
+            dk[dst_t] = tk[src_t]
+            dv[dst_t] = tv[src_t]
 
     def _reserve(self, seq: DraftSeq, tokens: int) -> bool:
         """Blocks for the draft's KV up to `tokens` positions; False if the pool is short."""
