@@ -37,8 +37,17 @@ def ops(request):
     if not X86:  # -mno-avx512f is an x86 flag; elsewhere the native build is the portable one
         pytest.skip(f"{platform.machine()}: no AVX-512 to switch off")
     module = portable_build(native.OPS.source, "the portable fused ops").module
-    assert module is not None and not module.avx512()
+    assert module is not None and module.isa() != "avx512"
     return module
+
+def test_the_build_runs_the_vector_loops_this_cpu_has():
+    """-march=native: AVX-512's loops where the CPU has F, BW and VL, else AVX2's where it
+    has AVX2 and FMA (the AVX2 EPYCs), else the portable ones; the start-up log names which."""
+    flags = native.cpu_flags()
+    want = ("avx512" if {"avx512f", "avx512bw", "avx512vl"} <= flags
+            else "avx2" if {"avx2", "fma"} <= flags else "portable")
+    assert native_ops.isa() == want
+
 
 SIZES = [1, 7, 16, 61, 64, 576, 1000]  # row widths: odd, aligned, SmolLM2's hidden
 ROWS = [1, 7, 64]

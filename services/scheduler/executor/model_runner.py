@@ -30,6 +30,7 @@ from services.scheduler.models import model_class, quant
 from services.scheduler.models.lora import LoraSet
 from services.scheduler.models.quantize import quantize_model
 from services.scheduler.native import cpu_flags
+from services.scheduler.native.ops import fused_ops
 
 log = get_logger("model_runner")
 
@@ -284,12 +285,14 @@ class ModelRunner:
         # the C++ decode kernel's vector path (avx512_bf16, avx512, avx2 or portable): what
         # -march=native built for this CPU
         isa = cpu_kernels().isa() if self.attention_kernel == "native" else None
+        ops = fused_ops(self.kv_caches[0][0])  # the norms', rotary's, activation's, argmax's
         log.info(f"KV cache: {slots} tokens in {self.num_blocks} blocks of {self.page_size} "
                  f"tokens, {self.kv_bytes / GiB:.2f} GiB", device=str(self.device),
                  dtype=str(self.dtype), linear_dtype=str(self.linear_dtype),
                  backend=self.backend.name, linear=self.linear_backend,
                  decode_attention=self.attention_kernel, decode_attention_isa=isa,
-                 prefill_attention=self.prefill_kernel)
+                 prefill_attention=self.prefill_kernel,
+                 fused_ops_isa=ops.isa() if ops is not None else None)
 
     def first_layers(self, num_layers: int, max_total_tokens: int) -> ModelRunner:
         """A runner over this one's model (the same module objects: no weights copied) that

@@ -31,9 +31,11 @@
 // op runs on the calling thread below kParallelWork elements and splits its rows only above
 // (a prefill chunk's).
 //
-// AVX-512 (F + BW + VL) where the compiler targets it (-march=native); the scalar loops are
-// the portable path (written so that AVX2 compilers vectorize them: no branches; exp through
-// libmvec), with the same arithmetic, and handle every tail.
+// AVX-512 (F + BW + VL) where the compiler targets it (-march=native), else AVX2 + FMA (8
+// lanes, the same arithmetic: Zen 2/3 EPYCs, older Xeons); the scalar loops are the portable
+// path and handle every tail. The compiler left the scalar loops of argmax and of the
+// activations unvectorized or calling libmvec's expf: on an AVX2 EPYC (SmolLM2 float32, 64
+// rows) argmax over 49,152 logits took 2.9 ms, 1.6x torch's own, and silu_and_mul 111 us.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -42,6 +44,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -51,6 +54,14 @@
 #define TL_AVX512 1
 #else
 #define TL_AVX512 0
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+#if !TL_AVX512 && defined(__AVX2__) && defined(__FMA__)
+#define TL_AVX2 1
+#else
+#define TL_AVX2 0
 #endif
 
 namespace {
@@ -97,6 +108,36 @@ inline void store16(bf16* p, __m512 v) {
 }
 #endif
 
+// 8-lane helpers: the AVX2 loops' (TL_AVX2) and the LoRA product's, which runs on every x86
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// store()'s rounding, 8 lanes: to nearest even, a NaN kept (quiet); the NaN test on the bits
+// (-ffast-math may take an unordered compare to be false)
+inline void store8(bf16* p, __m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
+  const __m256i high = _mm256_srli_epi32(_mm256_blendv_epi8(rounded, quiet, nan), 16);
+  // 32 -> 16 bits within each 128-bit half, then the halves' low quadwords side by side
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 // Below this many elements an op runs on the calling thread (see the top of the file): a
 // 64-row step's norms, rotary and activation all do; a prefill chunk's split across threads.
 constexpr int64_t kParallelWork = 1 << 18;
@@ -123,6 +164,13 @@ float sum_squares(const T* x, int64_t n) {
     acc = _mm512_fmadd_ps(v, v, acc);
   }
   sum = _mm512_reduce_add_ps(acc);
+#elif TL_AVX2
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = load8(x + i);
+    acc = _mm256_fmadd_ps(v, v, acc);
+  }
+  sum = hsum8(acc);
 #endif
   for (; i < n; ++i) sum += to_f(x[i]) * to_f(x[i]);
   return sum;
@@ -136,6 +184,10 @@ void scale_row(const T* x, const W* w, T* out, int64_t n, float inv) {
   const __m512 s = _mm512_set1_ps(inv);
   for (; i + 16 <= n; i += 16)
     store16(out + i, _mm512_mul_ps(_mm512_mul_ps(load16(x + i), s), load16(w + i)));
+#elif TL_AVX2
+  const __m256 s = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8)
+    store8(out + i, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), s), load8(w + i)));
 #endif
   for (; i < n; ++i) store(out + i, to_f(x[i]) * inv * to_f(w[i]));
 }
@@ -152,6 +204,8 @@ void add_rms_norm_impl(T* residual, T* x, const W* w, int64_t rows, int64_t n, i
       int64_t i = 0;
 #if TL_AVX512
       for (; i + 16 <= n; i += 16) store16(res + i, _mm512_add_ps(load16(res + i), load16(xr + i)));
+#elif TL_AVX2
+      for (; i + 8 <= n; i += 8) store8(res + i, _mm256_add_ps(load8(res + i), load8(xr + i)));
 #endif
       for (; i < n; ++i) store(res + i, to_f(res[i]) + to_f(xr[i]));
       const float inv = 1.f / std::sqrt(sum_squares(res, n) / static_cast<float>(n) + eps);
@@ -184,6 +238,13 @@ void rotate_head(T* x, const float* c, const float* s, int64_t half) {
     __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
     store16(x + i, _mm512_sub_ps(_mm512_mul_ps(x1, cv), _mm512_mul_ps(x2, sv)));
     store16(x2p + i, _mm512_add_ps(_mm512_mul_ps(x2, cv), _mm512_mul_ps(x1, sv)));
+  }
+#elif TL_AVX2
+  for (; i + 8 <= half; i += 8) {
+    __m256 x1 = load8(x + i), x2 = load8(x2p + i);
+    __m256 cv = _mm256_loadu_ps(c + i), sv = _mm256_loadu_ps(s + i);
+    store8(x + i, _mm256_sub_ps(_mm256_mul_ps(x1, cv), _mm256_mul_ps(x2, sv)));
+    store8(x2p + i, _mm256_add_ps(_mm256_mul_ps(x2, cv), _mm256_mul_ps(x1, sv)));
   }
 #endif
   for (; i < half; ++i) {
@@ -229,6 +290,11 @@ struct Silu {
     const __m512 e = tokenline::exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
     return div16(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
   }
+#elif TL_AVX2
+  static __m256 apply8(__m256 g) {
+    const __m256 e = tokenline::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+  }
 #endif
 };
 struct GeluTanh {
@@ -248,6 +314,19 @@ struct GeluTanh {
     const __m512 t = _mm512_sub_ps(two, div16(two, _mm512_add_ps(e, _mm512_set1_ps(1.f))));
     return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), t);
   }
+#elif TL_AVX2
+  static __m256 apply8(__m256 g) {
+    const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                   _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
+    // 1 + tanh(u) as 2e / (e + 1), e = exp(2u): no cancellation for negative u. Under
+    // -ffast-math the compiler turns the division into a reciprocal estimate and a Newton
+    // step (1 ulp off at e + 1 = 1), and 2 - 2 / (e + 1), the form above, left 2^-23 where
+    // the answer is 0
+    const __m256 e = tokenline::exp8(_mm256_add_ps(u, u));
+    const __m256 t = _mm256_div_ps(_mm256_add_ps(e, e), _mm256_add_ps(e, _mm256_set1_ps(1.f)));
+    return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), t);
+  }
 #endif
 };
 
@@ -262,6 +341,9 @@ void act_and_mul_impl(const T* gu, T* out, int64_t rows, int64_t inter, int64_t 
 #if TL_AVX512
       for (; i + 16 <= inter; i += 16)
         store16(o + i, _mm512_mul_ps(Act::apply16(load16(g + i)), load16(u + i)));
+#elif TL_AVX2
+      for (; i + 8 <= inter; i += 8)
+        store8(o + i, _mm256_mul_ps(Act::apply8(load8(g + i)), load8(u + i)));
 #endif
 #pragma omp simd
       for (int64_t j = i; j < inter; ++j) store(o + j, Act::apply(to_f(g[j])) * to_f(u[j]));
@@ -300,6 +382,21 @@ int64_t argmax_row(const T* x, int64_t n) {
   }
   best = _mm512_reduce_max_ps(acc);
   nan = nans != 0;
+#elif TL_AVX2
+  __m256 acc = _mm256_set1_ps(-INFINITY);
+  __m256i nans = _mm256_setzero_si256();
+  const __m256i abs_mask = _mm256_set1_epi32(0x7fffffff), inf = _mm256_set1_epi32(0x7f800000);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = load8(x + i);
+    const __m256i bits = _mm256_and_si256(_mm256_castps_si256(v), abs_mask);
+    nans = _mm256_or_si256(nans, _mm256_cmpgt_epi32(bits, inf));
+    acc = _mm256_max_ps(acc, v);  // a NaN's lane: whatever, the NaN pass below answers
+  }
+  acc = _mm256_max_ps(acc, _mm256_permute2f128_ps(acc, acc, 1));
+  acc = _mm256_max_ps(acc, _mm256_shuffle_ps(acc, acc, _MM_SHUFFLE(1, 0, 3, 2)));
+  acc = _mm256_max_ps(acc, _mm256_shuffle_ps(acc, acc, _MM_SHUFFLE(2, 3, 0, 1)));
+  best = _mm256_cvtss_f32(acc);
+  nan = !_mm256_testz_si256(nans, nans);
 #endif
   for (; i < n; ++i) {
     const float v = to_f(x[i]);
@@ -315,6 +412,12 @@ int64_t argmax_row(const T* x, int64_t n) {
   const __m512 target = _mm512_set1_ps(best);
   for (; j + 16 <= n; j += 16) {
     const __mmask16 hit = _mm512_cmp_ps_mask(load16(x + j), target, _CMP_EQ_OQ);
+    if (hit) return j + __builtin_ctz(hit);
+  }
+#elif TL_AVX2
+  const __m256 target = _mm256_set1_ps(best);
+  for (; j + 8 <= n; j += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(load8(x + j), target, _CMP_EQ_OQ));
     if (hit) return j + __builtin_ctz(hit);
   }
 #endif
@@ -334,20 +437,7 @@ int64_t argmax_row(const T* x, int64_t n) {
 // the blocked sums in registers on their own); elsewhere a plain loop per row.
 constexpr int64_t kLoraCols = 16;
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+#if defined(__AVX2__) && defined(__FMA__)  // load8, hsum8: at the top
 
 template <int MB, typename T, typename W>
 void lora_rows(T* const* out, const float* xf, const W* at, const W* b, const int32_t* cols,
@@ -598,7 +688,8 @@ torch::Tensor lora_add_(torch::Tensor out, const torch::Tensor& x, const torch::
   return out;
 }
 
-bool avx512() { return TL_AVX512; }
+// which loops this build runs: what -march=native gave for this CPU (the start-up log names it)
+std::string isa() { return TL_AVX512 ? "avx512" : TL_AVX2 ? "avx2" : "portable"; }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "residual += x; x = rms_norm(residual) * w (in place)");
@@ -608,5 +699,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "gelu_tanh(gate) * up of [T, 2I] gate_up");
   m.def("argmax_rows", &argmax_rows, "each row's argmax, as torch.argmax(-1) (first max, NaN first)");
   m.def("lora_add_", &lora_add_, "out[rows] += (x[rows] @ a) @ b for a few rows (LoRA)");
-  m.def("avx512", &avx512, "whether the AVX-512 loops are compiled in");
+  m.def("isa", &isa, "the vector loops compiled in: avx512, avx2 or portable");
 }
