@@ -206,3 +206,33 @@ def test_waiting_for_grammar_holds_back_no_one(engine):
     stats = engine.stats()
     assert stats["grammar_requests_total"] >= 1
     assert sum(stats["grammar_compile_buckets"]) >= 1
+
+
+def test_the_vocabulary_is_read_at_the_first_constraint_and_not_timed_as_its_compile(
+        tiny_model_dir, monkeypatch):
+    """A server that never sees a constraint never reads the vocabulary into xgrammar (seconds
+    of every start); the first constraint waits for it in a compile thread, and that wait is
+    not its compile time: with a 1 s timeout and a 2 s read, its JSON still comes."""
+    import time
+
+    from services.scheduler.core import grammar
+
+    read = grammar._tokenizer_info
+
+    def slow_read(*args):
+        time.sleep(2.0)
+        return read(*args)
+
+    grammar._tokenizer_info.cache_clear()  # earlier engines in this process read it already
+    monkeypatch.setattr(grammar, "_tokenizer_info", slow_read)
+    engine = EngineCore(engine_args(tiny_model_dir, grammar_compile_timeout=1.0))
+    tokens, finish, _ = run_engine(engine, [_req("plain", None)])
+    assert finish["plain"].kind == "length"
+    assert not engine.grammars.backend._prepared  # served, and nothing read
+    so = StructuredOutputs(json=SCHEMA, param="json")
+    tokens, finish, _ = run_engine(engine, [_req("first", so, max_new=64)])
+    assert engine.grammars.backend._prepared
+    assert finish["first"].kind in ("stop", "length"), finish["first"].message
+    doc = json.loads(_text(engine, tokens["first"]))
+    assert set(doc) == {"id", "ok", "tag"}
+    engine.check_integrity()

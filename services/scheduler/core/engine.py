@@ -7,6 +7,7 @@ called from any thread: they only queue, and `step()` applies them at the step b
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -22,6 +23,7 @@ from common.incremental import IncrementalText
 from common.logging import get_logger
 from common.messages import AbortReq, Finish, KvEvent, LogprobOut, TokenizedReq, TokenOut
 from common.modelstore import gguf_source, model_info, prepare_model
+from services.scheduler.core.closeout import JsonCloser
 from services.scheduler.core.draft import draft_proposer, self_draft_proposer
 from services.scheduler.core.grammar import GrammarCompiler, GrammarError, XGrammarBackend
 from services.scheduler.core.kv_pool import BlockPool
@@ -86,7 +88,6 @@ class EngineCore:
             XGrammarBackend(self.info.tokenizer_json, self.runner.vocab_size,
                             sorted(self.eos_ids)),
             args.grammar_compile_timeout)
-        self.closer = self.grammars.backend.closer()
         self.compiling: list[Request] = []  # WAITING_FOR_GRAMMAR, in arrival order
         self._tokenizer = None
         self.requests: dict[str, Request] = {}
@@ -264,6 +265,12 @@ class EngineCore:
             if self._start_closeout(req, outputs):
                 self.scheduler.add(req)
         self.compiling = still
+
+    @functools.cached_property
+    def closer(self) -> JsonCloser | None:
+        """What closes JSON within a request's budget, built at the first JSON request (the
+        grammar backend reads its vocabulary then, not at start)."""
+        return self.grammars.backend.closer()
 
     def _start_closeout(self, req: Request, outputs: list[TokenOut]) -> bool:
         """Give a JSON request its close-out (`closeout.py`); False if its budget cannot hold
