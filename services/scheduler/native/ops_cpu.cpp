@@ -130,6 +130,14 @@ inline void store8(bf16* p, __m256 v) {
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
 }
+// a / b rounded once, as vdivps gives it: under -ffast-math the compiler turns _mm256_div_ps
+// into a reciprocal estimate and a Newton step (1-2 ulp), which moved a SmolLM2's logits
+// measurably (silu's g / (1 + e) in every layer)
+inline __m256 div8(__m256 a, __m256 b) {
+  __m256 q;
+  asm("vdivps %2, %1, %0" : "=x"(q) : "x"(a), "x"(b));
+  return q;
+}
 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -165,12 +173,19 @@ float sum_squares(const T* x, int64_t n) {
   }
   sum = _mm512_reduce_add_ps(acc);
 #elif TL_AVX2
-  __m256 acc = _mm256_setzero_ps();
+  // in float64: one float32 vector's sums, in this order, moved a LoRA'd SmolLM2's logits
+  // (tests/unit/test_lora.py) from 5.8e-4 of float64's to 1.1e-3; a row is ~1,000 values
+  __m256d lo = _mm256_setzero_pd(), hi = _mm256_setzero_pd();
   for (; i + 8 <= n; i += 8) {
     const __m256 v = load8(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
+    const __m256d a = _mm256_cvtps_pd(_mm256_castps256_ps128(v));
+    const __m256d b = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    lo = _mm256_fmadd_pd(a, a, lo);
+    hi = _mm256_fmadd_pd(b, b, hi);
   }
-  sum = hsum8(acc);
+  lo = _mm256_add_pd(lo, hi);
+  const __m128d h = _mm_add_pd(_mm256_castpd256_pd128(lo), _mm256_extractf128_pd(lo, 1));
+  sum = static_cast<float>(_mm_cvtsd_f64(_mm_add_sd(h, _mm_unpackhi_pd(h, h))));
 #endif
   for (; i < n; ++i) sum += to_f(x[i]) * to_f(x[i]);
   return sum;
@@ -293,7 +308,7 @@ struct Silu {
 #elif TL_AVX2
   static __m256 apply8(__m256 g) {
     const __m256 e = tokenline::exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-    return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+    return div8(g, _mm256_add_ps(_mm256_set1_ps(1.f), e));
   }
 #endif
 };
@@ -319,12 +334,11 @@ struct GeluTanh {
     const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
     const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
                                    _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
-    // 1 + tanh(u) as 2e / (e + 1), e = exp(2u): no cancellation for negative u. Under
-    // -ffast-math the compiler turns the division into a reciprocal estimate and a Newton
-    // step (1 ulp off at e + 1 = 1), and 2 - 2 / (e + 1), the form above, left 2^-23 where
-    // the answer is 0
+    // 1 + tanh(u) as 2e / (e + 1), e = exp(2u): no cancellation for negative u (2 - 2 /
+    // (e + 1), the form above, left 2^-23 where the answer is 0 once the division was the
+    // compiler's estimate)
     const __m256 e = tokenline::exp8(_mm256_add_ps(u, u));
-    const __m256 t = _mm256_div_ps(_mm256_add_ps(e, e), _mm256_add_ps(e, _mm256_set1_ps(1.f)));
+    const __m256 t = div8(_mm256_add_ps(e, e), _mm256_add_ps(e, _mm256_set1_ps(1.f)));
     return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), g), t);
   }
 #endif
