@@ -242,7 +242,9 @@ def test_no_drafts_above_the_batch_size_threshold(tiny_model_dir, plain):
 # A verify runs the extend (prefill) kernel where a decode runs the decode kernel: the same sums
 # in another order. Greedy tokens agree except where the top two logprobs are this close (the
 # repository's invariant for chunked prefill and batching). bfloat16 rounds every activation and
-# the logits too: at SmolLM2's logit sizes (16-32) they are 0.125 apart, so two ulps there.
+# the logits too: at SmolLM2's logit sizes (16-32) they are 0.125 apart, so two ulps there, and
+# a margin of exactly two ulps is a near tie (the fused ops' AVX2 loops, 052abb1, moved one
+# token of the bfloat16 runs to one: 0.25 apart at token 3).
 NEAR_TIE = {"float32": 1e-3, "bfloat16": 0.25}
 
 
@@ -254,7 +256,7 @@ def _same_but_for_near_ties(got: dict, base: dict, tie: float) -> None:
     i = next(i for i, (a, b) in enumerate(zip(got["ids"], base["ids"], strict=True)) if a != b)
     top = base["logprobs"][i].top
     margin = top[0][1] - top[1][1]
-    assert margin < tie, f"diverged at token {i} where the top two were {margin:.4f} apart"
+    assert margin <= tie, f"diverged at token {i} where the top two were {margin:.4f} apart"
 
 
 def test_a_draft_model_proposes_and_keeps_the_output(tiny_model_dir, plain):
