@@ -14,9 +14,16 @@ of W to [p - W + 1, p] (transformers' convention: the last W positions, its own 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+
+def cache_slots(block_table: Sequence[int], begin: int, end: int, page_size: int) -> list[int]:
+    """The cache slots of a request's positions [begin, end), its blocks in `block_table`
+    (the model runner computes a step's with numpy, over every row at once)."""
+    return [block_table[p // page_size] * page_size + p % page_size for p in range(begin, end)]
 
 
 @dataclass
@@ -36,8 +43,8 @@ class AttentionMetadata:
         block_tables[b]: the new tokens' slots follow from the table (how tests and benches
         lay out a step)."""
         rows = block_tables.tolist()
-        slots = [rows[b][p // page_size] * page_size + p % page_size
-                 for b, (c, n) in enumerate(spans) for p in range(c, c + n)]
+        slots = [slot for b, (c, n) in enumerate(spans)
+                 for slot in cache_slots(rows[b], c, c + n, page_size)]
         qlens = [n for _, n in spans]
         lens = [c + n for c, n in spans]
         return cls(query_start_loc=torch.tensor([0, *qlens]).cumsum(0).int(),

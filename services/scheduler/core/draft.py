@@ -35,6 +35,7 @@ import torch
 from common.config import ServerArgs
 from common.logging import get_logger
 from common.modelstore import gguf_source, prepare_model
+from services.scheduler.attention.base import cache_slots
 from services.scheduler.core.kv_pool import BlockPool
 from services.scheduler.core.request import Request
 from services.scheduler.core.sampler import argmax
@@ -141,13 +142,12 @@ class DraftModelProposer:
         accepted drafts) into the draft's cache, for the draft's layers, in one gather and
         scatter a layer for all of them: where a catch-up forward of the draft would cost a
         prefill."""
-        page = self.page_size
         src, dst = [], []
         for req, seq in pairs:
-            for p in range(seq.num_computed, req.num_computed):
-                src.append(req.block_table[p // page] * page + p % page)
-                dst.append(seq.block_table[p // page] * page + p % page)
-            seq.num_computed = req.num_computed
+            begin, end = seq.num_computed, req.num_computed
+            src += cache_slots(req.block_table, begin, end, self.page_size)
+            dst += cache_slots(seq.block_table, begin, end, self.page_size)
+            seq.num_computed = end
         dev = self.runner.kv_caches[0][0].device
         src_t, dst_t = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
         target = self.kv_source.kv_caches[: len(self.runner.kv_caches)]  # its first L layers
