@@ -37,6 +37,12 @@ TOKENIZER_WAIT_S = 1.0  # a request waits this long for a tokenizer (one restart
 # that was only slow costs a recompute of its prefix, never a wrong token.
 RESUME_AFTER_S = 1.0
 WATCH_TICK_S = 0.1
+# A request handed off again after this many hand-offs without a receipt is a 503.
+HAND_OFF_RESENDS = 2
+
+
+class _NoReceipt(Exception):
+    """No receipt for a hand-off in time: the request or the receipt may be lost."""
 
 
 class Failover:
@@ -53,15 +59,32 @@ class Failover:
         self.gaps: dict[str, SubRequest] = {}  # rid -> a request whose output skipped tokens
         tracker.on_gap = lambda sub: self.gaps.setdefault(sub.msg.rid, sub)
 
-    async def submit(self, msg: GenerateReq, headers: dict[str, str]) -> str:
-        """Hand a request to a tokenizer and return the id of the one that took it.
+    async def hand_off(self, sub: SubRequest) -> None:
+        """Hand a request to a tokenizer and note which one took it (`sub.tokenizer_id`).
 
         Plain NATS would drop it without a word while no tokenizer listens (the only one is
-        restarting); here that is a 503 after a short wait instead of a hang."""
-        receipt = await self._to_tokenizer(lambda: self.bus.publish_acked(
-            self.subjects.tokenizer, msg, headers, timeout=self.timeout),
-            "the request could not be handed to a tokenizer")
-        return receipt.instance_id
+        restarting); here that is a 503 after a short wait instead of a hang. A hand-off whose
+        receipt never comes (the NATS node between died with the request or the receipt in it,
+        or the tokenizer died on receiving it) is made again under a fresh rid, the first copy
+        aborted by its own, wherever it got to (`Tracker.move`): a node's death costs the
+        request one --heartbeat-timeout and a resend, not a 503. Only after HAND_OFF_RESENDS
+        of those is it a 503 (tokenizer_unreachable)."""
+        for resends_left in range(HAND_OFF_RESENDS, -1, -1):
+            try:
+                receipt = await self._to_tokenizer(lambda: self.bus.publish_acked(
+                    self.subjects.tokenizer, sub.msg, sub.headers, timeout=self.timeout),
+                    "the request could not be handed to a tokenizer", resend=resends_left > 0)
+                sub.tokenizer_id = receipt.instance_id
+                return
+            except _NoReceipt:
+                old = sub.msg.rid
+                msg = self.tracker.move(sub, sub.msg.scheduler_id)  # where it was going
+                self.resumed["no_receipt"] += 1
+                request_logger(msg.rid, tracing.trace_id(sub.headers)).warning(
+                    "no tokenizer receipt; handed off again", replaces=old,
+                    timeout=self.timeout)
+                await self.bus.publish(self.subjects.abort,
+                                       AbortReq(rid=old, reason="resent (no receipt)"))
 
     async def tokenize(self, msg: TokenizeReq) -> TokenizeOut:
         """/tokenize's question to any tokenizer (request/reply), with `submit`'s wait."""
@@ -72,12 +95,20 @@ class Failover:
         assert isinstance(reply, TokenizeOut), reply
         return reply
 
-    async def _to_tokenizer(self, send: Callable[[], Awaitable[T]], failed: str) -> T:
-        """`send()`, again while no tokenizer listens, for up to TOKENIZER_WAIT_S; then a 503."""
+    async def _to_tokenizer(self, send: Callable[[], Awaitable[T]], failed: str,
+                            resend: bool = False) -> T:
+        """`send()`, again while no tokenizer listens, for up to TOKENIZER_WAIT_S; then a 503.
+        `resend`: no answer in time raises _NoReceipt (the caller sends it again) instead."""
         deadline = time.monotonic() + TOKENIZER_WAIT_S
         while True:
             try:
                 return await send()
+            except nats.errors.TimeoutError:
+                if resend:
+                    raise _NoReceipt from None
+                raise APIError(f"{failed} (no answer in {self.timeout:g}s); retry shortly",
+                               None, 503, "service_unavailable", "tokenizer_unreachable"
+                               ) from None
             except nats.errors.NoRespondersError:
                 if time.monotonic() >= deadline:
                     raise APIError("no tokenizer is available; retry shortly", None, 503,
@@ -142,7 +173,7 @@ class Failover:
             "request moved", scheduler_id=target, resumed_after=len(msg.output_ids), why=why,
             replaces=old)
         try:
-            sub.tokenizer_id = await self.submit(msg, sub.headers)
+            await self.hand_off(sub)
         except APIError as exc:
             self.tracker.deliver(ErrorOut(rid=msg.rid, message=exc.message, status=exc.status,
                                           err_type=exc.err_type, code=exc.code))

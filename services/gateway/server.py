@@ -373,13 +373,11 @@ class GatewayService(Service):
                            "service_unavailable", "no_scheduler")
         subs = self.tracker.open(group, msgs, headers)
         try:
-            taken_by = await asyncio.gather(*(self.failover.submit(m, headers) for m in msgs))
+            await asyncio.gather(*(self.failover.hand_off(sub) for sub in subs))
         except BaseException as exc:  # none may stay behind in the tracker
             await self._finish(subs, group, getattr(exc, "message", "not submitted"),
                                failed=isinstance(exc, APIError))
             raise
-        for sub, tokenizer_id in zip(subs, taken_by, strict=True):
-            sub.tokenizer_id = tokenizer_id
         return subs
 
     async def _finish(self, subs: list[SubRequest], group: str, reason: str,

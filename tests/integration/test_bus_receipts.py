@@ -105,3 +105,78 @@ def test_an_unordered_subscription_acknowledges_while_an_earlier_handler_still_w
         await sender.close()
 
     asyncio.run(main())
+
+
+def _hand_off_stage(url: str, answer_from: int):
+    """A gateway's Failover on a real bus, and a tokenizer on the raw NATS client that takes
+    every request but signs a receipt only from its `answer_from`-th on (the ones before:
+    lost with the node in between, or the tokenizer died on receiving them)."""
+    from common.messages import GenerateReq, SamplingParams, decode, encode
+    from common.peers import PeerTable
+    from common.subjects import Subjects
+    from services.gateway.failover import Failover
+    from services.gateway.tracker import Tracker
+
+    async def start():
+        subjects = Subjects()
+        gateway = await _bus(url, "gateway:g")
+        tokenizer = await nats.connect(url)
+        took, aborts = [], []
+
+        async def on_request(m) -> None:
+            took.append(decode(m.data).rid)
+            if len(took) >= answer_from:
+                await m.respond(encode(ReceiptOut(service="tokenizer", instance_id="t-2")))
+
+        async def on_abort(m) -> None:
+            aborts.append(decode(m.data).rid)
+
+        await tokenizer.subscribe(subjects.tokenizer, queue="tokenizers", cb=on_request)
+        await tokenizer.subscribe(subjects.abort, cb=on_abort)
+        await tokenizer.flush()
+        tracker = Tracker()
+        sub = tracker.add(GenerateReq(rid="r", gateway_id="g", text="hi",
+                                      params=SamplingParams()), 0, asyncio.Queue())
+        failover = Failover(gateway, subjects, PeerTable(5.0), tracker, lambda: None, 0.3)
+        return gateway, tokenizer, failover, tracker, sub, took, aborts
+
+    return start()
+
+
+def test_a_hand_off_without_a_receipt_is_made_again_under_a_fresh_rid(nats_server):
+    """No receipt in --heartbeat-timeout: the request may be lost or may run, so it is sent
+    again as r~1 and r is aborted (a tokenizer that got it drops it, a scheduler stops it);
+    the client gets its answer, not a 503."""
+    async def main() -> None:
+        gateway, tokenizer, failover, tracker, sub, took, aborts = await _hand_off_stage(
+            nats_server.url, answer_from=2)
+        await failover.hand_off(sub)
+        await asyncio.sleep(0.1)  # the abort's way to the tokenizer
+        assert took == ["r", "r~1"] and sub.tokenizer_id == "t-2"
+        assert sub.msg.rid == "r~1" and tracker.subs == {"r~1": sub}
+        assert aborts == ["r"] and failover.resumed == {"no_receipt": 1}
+        await gateway.close()
+        await tokenizer.close()
+
+    asyncio.run(main())
+
+
+def test_a_hand_off_never_signed_for_is_a_503_after_the_resends(nats_server):
+    from services.gateway import failover as failover_module
+    from services.gateway.protocol import APIError
+
+    async def main() -> None:
+        gateway, tokenizer, failover, tracker, sub, took, aborts = await _hand_off_stage(
+            nats_server.url, answer_from=10**6)
+        with pytest.raises(APIError) as err:
+            await failover.hand_off(sub)
+        await asyncio.sleep(0.1)
+        assert err.value.status == 503 and err.value.code == "tokenizer_unreachable"
+        tries = failover_module.HAND_OFF_RESENDS + 1
+        assert took == ["r"] + [f"r~{i}" for i in range(1, tries)]
+        # each copy but the last aborted here; the last by the caller's _finish (its rid)
+        assert aborts == took[:-1] and list(tracker.subs) == [took[-1]]
+        await gateway.close()
+        await tokenizer.close()
+
+    asyncio.run(main())
