@@ -22,7 +22,7 @@ import nats.errors
 from common import tracing
 from common.bus import Bus
 from common.logging import get_logger, request_logger
-from common.messages import AbortReq, ErrorOut, GenerateReq, StatsOut, TokenizeOut, TokenizeReq
+from common.messages import AbortReq, ErrorOut, StatsOut, TokenizeOut, TokenizeReq
 from common.peers import PeerTable
 from common.subjects import Subjects
 from services.gateway.protocol import APIError
