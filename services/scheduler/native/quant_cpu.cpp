@@ -494,82 +494,6 @@ void dequant(const uint8_t* q, const S* sm, int64_t G, float* w) {
 // noise at 1-64 rows (bench.quant_kernels, an AVX2 EPYC).
 constexpr int64_t AVX2_K_BLOCK = 64;
 
-// RB (1-6) rows of x against one tile's buffer [Kp][16], a tile being two 8-lane vectors:
-// 2 RB accumulators (times U chains over k below 4 rows: an FMA's result is ready ~4 cycles
-// later, and two issue per cycle), two weight vectors and a broadcast in AVX2's 16 registers
-// (6 rows: 12 accumulators, the register block of BLIS's Haswell kernel).
-//
-// Every index into acc must be a constant once unrolled: a loop the compiler leaves rolled
-// keeps acc in memory, and GCC then stores all 2 RB accumulators to the stack after every k
-// (so it did, with the epilogue's loop around a copy of `valid` floats: 8 stores a k at 4
-// rows, and this kernel took 2.2x oneDNN's time at 64 rows on an AVX2 EPYC).
-template <int RB>
-void avx2_rows(const float* x, int64_t ldx, const float* wt, int64_t Kp, float* out,
-               int64_t ldo, int valid) {
-  constexpr int U = RB >= 4 ? 1 : (RB == 1 ? 4 : 2);
-  alignas(32) float sum[RB][LANES];
-  for (int64_t kb = 0; kb < Kp; kb += AVX2_K_BLOCK) {
-    const int64_t kend = std::min(Kp, kb + AVX2_K_BLOCK);  // K is a multiple of 4
-    __m256 acc[RB][U][2];
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r)
-#pragma GCC unroll 8
-      for (int u = 0; u < U; ++u) acc[r][u][0] = acc[r][u][1] = _mm256_setzero_ps();
-    for (int64_t k0 = kb; k0 < kend; k0 += U) {
-#pragma GCC unroll 8
-      for (int u = 0; u < U; ++u) {
-        const float* wk = wt + (k0 + u) * LANES;
-        const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
-#pragma GCC unroll 8
-        for (int r = 0; r < RB; ++r) {
-          const __m256 b = _mm256_broadcast_ss(x + r * ldx + k0 + u);
-          acc[r][u][0] = _mm256_fmadd_ps(w0, b, acc[r][u][0]);
-          acc[r][u][1] = _mm256_fmadd_ps(w1, b, acc[r][u][1]);
-        }
-      }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < RB; ++r) {
-      __m256 lo = acc[r][0][0], hi = acc[r][0][1];
-#pragma GCC unroll 8
-      for (int u = 1; u < U; ++u) {
-        lo = _mm256_add_ps(lo, acc[r][u][0]);
-        hi = _mm256_add_ps(hi, acc[r][u][1]);
-      }
-      if (kb > 0) {
-        lo = _mm256_add_ps(lo, _mm256_load_ps(sum[r]));
-        hi = _mm256_add_ps(hi, _mm256_load_ps(sum[r] + 8));
-      }
-      _mm256_store_ps(sum[r], lo);
-      _mm256_store_ps(sum[r] + 8, hi);
-    }
-  }
-  for (int r = 0; r < RB; ++r) std::copy(sum[r], sum[r] + valid, out + r * ldo);
-}
-
-// NT tiles' buffers against R rows (as the caller holds them), six rows at a time, then
-// what is left in one pass (7 rows: 6 + 1 measured faster than 4 + 3, 8: 6 + 2 than 4 + 4).
-template <int NT, int R>
-void float_tiles(const float* x, int64_t ldx, const float* w, int64_t Kp, float* out,
-                 int64_t ldo, int valid_last, Ahead) {
-  for (int t = 0; t < NT; ++t) {
-    const float* wt = w + t * Kp * LANES;
-    const int valid = t == NT - 1 ? valid_last : LANES;
-    for (int r0 = 0; r0 < R; r0 += 6) {
-      const float* xr = x + r0 * ldx;
-      float* o = out + r0 * ldo + t * LANES;
-      switch (std::min(6, R - r0)) {
-        case 6: avx2_rows<6>(xr, ldx, wt, Kp, o, ldo, valid); break;
-        case 5: avx2_rows<5>(xr, ldx, wt, Kp, o, ldo, valid); break;
-        case 4: avx2_rows<4>(xr, ldx, wt, Kp, o, ldo, valid); break;
-        case 3: avx2_rows<3>(xr, ldx, wt, Kp, o, ldo, valid); break;
-        case 2: avx2_rows<2>(xr, ldx, wt, Kp, o, ldo, valid); break;
-        default: avx2_rows<1>(xr, ldx, wt, Kp, o, ldo, valid);
-      }
-    }
-  }
-}
-
 // One K block [k0, k1) of a tile's buffer [Kp][16] (a tile being two 8-lane vectors) against
 // RB (1-6) rows of x, added into out (the first block stored): 2 RB accumulators (times U
 // chains over k below 4 rows: an FMA's result is ready ~4 cycles later, and two issue per
@@ -629,6 +553,41 @@ inline void avx2_kblock(const float* x, int64_t ldx, const float* wt, int64_t k0
       }
       _mm256_maskstore_ps(o, m0, lo);
       _mm256_maskstore_ps(o + 8, m1, hi);
+    }
+  }
+}
+
+// RB (1-6) rows of x against one tile's buffer over the whole K, K block by K block, the
+// sums in a buffer on the stack, then the `valid` columns into out.
+template <int RB>
+void avx2_rows(const float* x, int64_t ldx, const float* wt, int64_t Kp, float* out,
+               int64_t ldo, int valid) {
+  alignas(32) float sum[RB][LANES];
+  for (int64_t kb = 0; kb < Kp; kb += AVX2_K_BLOCK)
+    avx2_kblock<RB>(x, ldx, wt, kb, std::min(Kp, kb + AVX2_K_BLOCK), sum[0], LANES, kb == 0,
+                    LANES);
+  for (int r = 0; r < RB; ++r) std::copy(sum[r], sum[r] + valid, out + r * ldo);
+}
+
+// NT tiles' buffers against R rows (as the caller holds them), six rows at a time, then
+// what is left in one pass (7 rows: 6 + 1 measured faster than 4 + 3, 8: 6 + 2 than 4 + 4).
+template <int NT, int R>
+void float_tiles(const float* x, int64_t ldx, const float* w, int64_t Kp, float* out,
+                 int64_t ldo, int valid_last, Ahead) {
+  for (int t = 0; t < NT; ++t) {
+    const float* wt = w + t * Kp * LANES;
+    const int valid = t == NT - 1 ? valid_last : LANES;
+    for (int r0 = 0; r0 < R; r0 += 6) {
+      const float* xr = x + r0 * ldx;
+      float* o = out + r0 * ldo + t * LANES;
+      switch (std::min(6, R - r0)) {
+        case 6: avx2_rows<6>(xr, ldx, wt, Kp, o, ldo, valid); break;
+        case 5: avx2_rows<5>(xr, ldx, wt, Kp, o, ldo, valid); break;
+        case 4: avx2_rows<4>(xr, ldx, wt, Kp, o, ldo, valid); break;
+        case 3: avx2_rows<3>(xr, ldx, wt, Kp, o, ldo, valid); break;
+        case 2: avx2_rows<2>(xr, ldx, wt, Kp, o, ldo, valid); break;
+        default: avx2_rows<1>(xr, ldx, wt, Kp, o, ldo, valid);
+      }
     }
   }
 }
