@@ -24,8 +24,11 @@ per-shape table repeats them in: milliseconds and the weight bytes read per seco
 number to hold against the machine's bandwidth at batch 1. With --against REV our int8, int4
 and float32-tile columns are also timed with quant_cpu.cpp as it was at git revision REV
 (built as an extension of its own, the same weights), alternating in this process: a change's
-before and after in one table. The machine it ran on may be shared: compare the columns of
-one run, not numbers of different runs.
+before and after in one table. With --against REV --float-ab N only the float32 tiles are
+timed, REV's build and this tree's alternating call by call for N rounds, and each shape's
+median of the per-round ratios is printed, with the largest difference between the two
+outputs. The machine it ran on may be shared: compare the columns of one run, not numbers of
+different runs.
 """
 
 from __future__ import annotations
@@ -240,6 +243,40 @@ def decode_steps(batches: list[int], context: int, min_s: float) -> dict:
     return out
 
 
+def float_ab(rev: str, module: object, batches: list[int], rounds: int) -> None:
+    """REV's float32 tiles against this tree's, alternating round by round on the same
+    weights: per shape the median of the per-round ratios (REV / ours: above 1, ours is
+    faster), and a step's matmuls as the sum of each side's median."""
+    import statistics
+
+    ours = native.QUANT.module()
+    torch.manual_seed(0)
+    print(f"float32 tiles, {rev} / this tree, median of {rounds} rounds "
+          f"(threads {torch.get_num_threads()})")
+    for batch in batches:
+        cells, total = [], {rev: 0.0, "ours": 0.0}
+        for name, n, k, count in SHAPES:
+            tiles = quant.Float32Tiles(torch.randn(n, k) * 0.02, None)
+            x = torch.randn(batch, k)
+            calls = {rev: partial(module.float_linear, x, tiles.tiles, None, n),
+                     "ours": partial(ours.float_linear, x, tiles.tiles, None, n)}
+            diff = (calls[rev]() - calls["ours"]()).abs().max().item()
+            reps = max(1, int(2e8 / (2 * batch * n * k)))  # 0.1-1 s a round
+            ms: dict[str, list[float]] = {rev: [], "ours": []}
+            for _ in range(rounds):
+                for side, fn in calls.items():
+                    t = time.perf_counter()
+                    for _ in range(reps):
+                        fn()
+                    ms[side].append((time.perf_counter() - t) / reps * 1e3)
+            ratio = statistics.median(a / b for a, b in zip(ms[rev], ms["ours"], strict=True))
+            for side in total:
+                total[side] += statistics.median(ms[side]) * count
+            cells.append(f"{name} {ratio:.2f}x (max diff {diff:.1e})")
+        print(f"  batch {batch}: " + ", ".join(cells) + f"; step's matmuls {total[rev]:.2f} / "
+              f"{total['ours']:.2f} ms ({total[rev] / total['ours']:.3f}x)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.quant_kernels",
                                      description=__doc__.splitlines()[0])
@@ -254,14 +291,22 @@ def main(argv: list[str] | None = None) -> None:
                         help="also time a step's matmuls over distinct weights per layer (DRAM)")
     parser.add_argument("--against", metavar="REV",
                         help="also time our kernels as quant_cpu.cpp was at this git revision")
+    parser.add_argument("--float-ab", type=int, metavar="ROUNDS",
+                        help="with --against: only the float32 tiles, REV's and ours "
+                             "alternating for ROUNDS rounds, median ratios")
     parser.add_argument("--json", action="store_true", help="print the table as JSON")
     args = parser.parse_args(argv)
+    if args.float_ab and not args.against:
+        parser.error("--float-ab needs --against REV")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.against:
         from bench.decode_attention import build_at
 
         AGAINST[args.against] = build_at(args.against, native.QUANT)
+        if args.float_ab:
+            float_ab(args.against, AGAINST[args.against], args.batches, args.float_ab)
+            return
     table = run(args.batches, args.min_seconds)
     if args.steps:
         table["decode_step_ms"] = decode_steps(args.batches, args.context, args.min_seconds)
