@@ -220,9 +220,11 @@ def test_act_and_mul_reads_strided_rows(ops):
 def test_act_and_mul_over_the_whole_exp_range(ops, activation, dtype):
     """Gates from -120 to 120 (exp's argument clamped past +-80: silu and tanh saturated
     there) against the float64 answer. float32: within 4e-7 relative (measured 3.3e-7, at
-    gates near -52), and gelu, whose 2 - 2 / (exp(2u) + 1) cancels for negative gates, within
-    2^-20 of 0.5 g up there (measured 1e-6 at -2.5: torch's own 1 + tanh(u) cancels too, about
-    ten times less); bf16: rounded once."""
+    gates near -52); gelu's 1 + tanh(u) is 2e / (e + 1), e = exp(2u), which does not cancel
+    for negative gates (2 - 2 / (e + 1) did: it was allowed 2^-20 of 0.5 g up there), so it is
+    held to a relative bound too, widened by float32's rounding of the argument 2u (about
+    |2u| 2^-24, which exp turns into that much relative error: measured at most 0.71 of the
+    bound on an AVX2 EPYC, vector loop and scalar tail); bf16: rounded once."""
     name, act = ACTS[activation]
     gate = torch.linspace(-120, 120, 4801)
     gu = torch.cat([gate, torch.full_like(gate, 1.5)]).view(1, -1).to(dtype)
@@ -234,10 +236,11 @@ def test_act_and_mul_over_the_whole_exp_range(ops, activation, dtype):
     out = getattr(ops, name)(gu)
     if dtype == torch.float32:
         err = (out.double() - exact).abs()
-        bound = 4e-7 * exact.abs() + 1e-30
+        rel = torch.full_like(exact, 4e-7)
         if activation == "gelu_pytorch_tanh":
-            bound += 2.0**-20 * (0.5 * gate * up).double().abs()
-        assert bool((err <= bound).all()), (err - bound).max().item()
+            rel += 2e-7 * (1.5957691216057308 * (g + 0.044715 * g**3)).abs().clamp(max=80)
+        bound = rel * exact.abs() + 1e-30
+        assert bool((err <= bound).all()), (err / bound).max().item()
     else:
         within_bf16_rounding(out, exact)
 
