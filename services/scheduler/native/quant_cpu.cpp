@@ -674,8 +674,10 @@ void tile_block(int64_t R, const float* x, const float* xsum, const uint8_t* q, 
 constexpr int64_t FLOAT_TILES = 3;
 
 #ifdef TOKENLINE_AVX2_TILES
-// Rows run_groups hands float_block at a time.
-constexpr int64_t RUN_ROWS = AVX2_RUN_ROWS;
+constexpr int64_t RUN_ROWS = AVX2_RUN_ROWS;  // rows run_groups hands float_block at a time
+#else
+constexpr int64_t RUN_ROWS = 8;
+#endif
 
 template <int NT>
 void float_rows(int64_t R, const float* x, int64_t ldx, const float* w, int64_t Kp, float* out,
@@ -692,47 +694,23 @@ void float_rows(int64_t R, const float* x, int64_t ldx, const float* w, int64_t 
   }
 }
 
-// nt (1 to FLOAT_TILES) tiles' buffers against R (up to RUN_ROWS) rows: up to 8 rows (a
+// nt (1 to FLOAT_TILES) tiles' buffers against R (up to RUN_ROWS) rows. AVX2: up to 8 rows (a
 // decode step of few requests, its weights streamed from memory) each register block runs
 // over a whole tile (float_tiles: measured 5-7% faster there than avx2_tiles, batch 1 on an
 // AVX2 EPYC), more rows by K blocks (avx2_tiles).
 void float_block(int64_t nt, int64_t R, const float* x, int64_t ldx, const float* w, int64_t Kp,
                  float* out, int64_t ldo, int valid, Ahead ahead) {
-  if (R <= 8) {
-    if (nt == 3) return float_rows<3>(R, x, ldx, w, Kp, out, ldo, valid, ahead);
-    if (nt == 2) return float_rows<2>(R, x, ldx, w, Kp, out, ldo, valid, ahead);
-    return float_rows<1>(R, x, ldx, w, Kp, out, ldo, valid, ahead);
+#ifdef TOKENLINE_AVX2_TILES
+  if (R > 8) {
+    if (nt == 3) return avx2_tiles<3>(R, x, ldx, w, Kp, out, ldo, valid);
+    if (nt == 2) return avx2_tiles<2>(R, x, ldx, w, Kp, out, ldo, valid);
+    return avx2_tiles<1>(R, x, ldx, w, Kp, out, ldo, valid);
   }
-  if (nt == 3) return avx2_tiles<3>(R, x, ldx, w, Kp, out, ldo, valid);
-  if (nt == 2) return avx2_tiles<2>(R, x, ldx, w, Kp, out, ldo, valid);
-  return avx2_tiles<1>(R, x, ldx, w, Kp, out, ldo, valid);
-}
-#else
-constexpr int64_t RUN_ROWS = 8;
-
-template <int NT>
-void float_rows(int64_t R, const float* x, int64_t ldx, const float* w, int64_t Kp, float* out,
-                int64_t ldo, int valid, Ahead ahead) {
-  switch (R) {
-    case 8: return float_tiles<NT, 8>(x, ldx, w, Kp, out, ldo, valid, ahead);
-    case 7: return float_tiles<NT, 7>(x, ldx, w, Kp, out, ldo, valid, ahead);
-    case 6: return float_tiles<NT, 6>(x, ldx, w, Kp, out, ldo, valid, ahead);
-    case 5: return float_tiles<NT, 5>(x, ldx, w, Kp, out, ldo, valid, ahead);
-    case 4: return float_tiles<NT, 4>(x, ldx, w, Kp, out, ldo, valid, ahead);
-    case 3: return float_tiles<NT, 3>(x, ldx, w, Kp, out, ldo, valid, ahead);
-    case 2: return float_tiles<NT, 2>(x, ldx, w, Kp, out, ldo, valid, ahead);
-    default: return float_tiles<NT, 1>(x, ldx, w, Kp, out, ldo, valid, ahead);
-  }
-}
-
-// nt (1 to FLOAT_TILES) tiles' buffers against R rows.
-void float_block(int64_t nt, int64_t R, const float* x, int64_t ldx, const float* w, int64_t Kp,
-                 float* out, int64_t ldo, int valid, Ahead ahead) {
+#endif
   if (nt == 3) return float_rows<3>(R, x, ldx, w, Kp, out, ldo, valid, ahead);
   if (nt == 2) return float_rows<2>(R, x, ldx, w, Kp, out, ldo, valid, ahead);
   return float_rows<1>(R, x, ldx, w, Kp, out, ldo, valid, ahead);
 }
-#endif
 
 #ifdef __AVX512BF16__
 // bfloat16 tiles, w [T, K/2, 16, 2]: the 32 bits of lane c in row j of tile t hold channel
