@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,15 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.serve import run_benchmark
-from services.launcher.nats import NatsServer
+from services.launcher.nats import NatsServer, free_port
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _signal_hint(proc: subprocess.Popen) -> str:

