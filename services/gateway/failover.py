@@ -78,13 +78,15 @@ class Failover:
                 return
             except _NoReceipt:
                 old = sub.msg.rid
+                await self.bus.publish(self.subjects.abort,
+                                       AbortReq(rid=old, reason="resent (no receipt)"))
+                if self.tracker.subs.get(old) is not sub:
+                    return  # its response ended meanwhile (failed, or the client left)
                 msg = self.tracker.move(sub, sub.msg.scheduler_id)  # where it was going
                 self.resumed["no_receipt"] += 1
                 request_logger(msg.rid, tracing.trace_id(sub.headers)).warning(
                     "no tokenizer receipt; handed off again", replaces=old,
                     timeout=self.timeout)
-                await self.bus.publish(self.subjects.abort,
-                                       AbortReq(rid=old, reason="resent (no receipt)"))
 
     async def tokenize(self, msg: TokenizeReq) -> TokenizeOut:
         """/tokenize's question to any tokenizer (request/reply), with `submit`'s wait."""

@@ -372,9 +372,12 @@ class GatewayService(Service):
             raise APIError("no scheduler is alive; retry shortly", None, 503,
                            "service_unavailable", "no_scheduler")
         subs = self.tracker.open(group, msgs, headers)
+        hand_offs = [asyncio.ensure_future(self.failover.hand_off(sub)) for sub in subs]
         try:
-            await asyncio.gather(*(self.failover.hand_off(sub) for sub in subs))
+            await asyncio.gather(*hand_offs)
         except BaseException as exc:  # none may stay behind in the tracker
+            for task in hand_offs:  # a sibling still resending would move a closed request
+                task.cancel()
             await self._finish(subs, group, getattr(exc, "message", "not submitted"),
                                failed=isinstance(exc, APIError))
             raise

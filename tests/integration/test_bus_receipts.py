@@ -201,3 +201,22 @@ def test_free_ports_come_from_below_the_ephemeral_range_and_a_node_listens_on_th
             await bus.close()
 
         asyncio.run(main())
+
+
+def test_a_hand_off_whose_response_ended_meanwhile_is_not_sent_again(nats_server):
+    """The response closed while it waited for a receipt (a sibling failed, the client left):
+    its copy is aborted and nothing is resent, so nothing comes back into the tracker."""
+    async def main() -> None:
+        gateway, tokenizer, failover, tracker, sub, took, aborts = await _hand_off_stage(
+            nats_server.url, answer_from=10**6)
+        task = asyncio.ensure_future(failover.hand_off(sub))
+        await asyncio.sleep(0.1)
+        tracker.subs.pop("r")  # what Tracker.close does for its response
+        await asyncio.wait_for(task, timeout=5)
+        await asyncio.sleep(0.1)
+        assert took == ["r"] and aborts == ["r"] and tracker.subs == {}
+        assert sub.tokenizer_id is None and not failover.resumed
+        await gateway.close()
+        await tokenizer.close()
+
+    asyncio.run(main())
