@@ -268,15 +268,16 @@ class EngineCore:
 
     @functools.cached_property
     def closer(self) -> JsonCloser | None:
-        """What closes JSON within a request's budget, built at the first JSON request (the
-        grammar backend reads its vocabulary then, not at start)."""
+        """What closes JSON within a request's budget: the backend's, which the compile thread
+        built before the first JSON constraint's compile (the backend reads its vocabulary
+        then, not at start)."""
         return self.grammars.backend.closer()
 
     def _start_closeout(self, req: Request, outputs: list[TokenOut]) -> bool:
         """Give a JSON request its close-out (`closeout.py`); False if its budget cannot hold
         the shortest document its schema allows (the request ends with a 400)."""
         kinds = req.params.structured_outputs.kinds()
-        if self.closer is None or kinds[0] not in ("json", "json_object"):
+        if kinds[0] not in ("json", "json_object") or self.closer is None:
             return True
         req.closeout = self.closer.start(req.matcher.m, req.output_ids)
         if req.closeout is None or req.closeout.last_cost <= self._remaining(req):
