@@ -89,7 +89,7 @@ class Failover:
                     timeout=self.timeout)
 
     async def tokenize(self, msg: TokenizeReq) -> TokenizeOut:
-        """/tokenize's question to any tokenizer (request/reply), with `submit`'s wait."""
+        """/tokenize's question to any tokenizer (request/reply), with `hand_off`'s wait."""
         reply = await self._to_tokenizer(lambda: self.bus.request(
             self.subjects.tokenize, msg, timeout=self.timeout), "no tokenizer answered")
         if isinstance(reply, ErrorOut):

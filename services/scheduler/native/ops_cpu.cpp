@@ -110,11 +110,7 @@ inline void store16(bf16* p, __m512 v) {
 
 // 8-lane helpers: the AVX2 loops' (TL_AVX2) and the LoRA product's, which runs on every x86
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const bf16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+using tokenline::load8;  // cpu_vec.h
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 // store()'s rounding, 8 lanes: to nearest even, a NaN kept (quiet); the NaN test on the bits
 // (-ffast-math may take an unordered compare to be false)
@@ -313,20 +309,21 @@ struct Silu {
 #endif
 };
 struct GeluTanh {
+  // u = sqrt(2 / pi) (g + 0.044715 g^3)
+  static constexpr float kC = 0.7978845608028654f, kK = 0.044715f;
   static float apply(float g) {
     // 1 + tanh(u) = 2e / (e + 1), e = exp(2u): one exp, which vectorizes (libmvec), and no
     // cancellation for negative u, where 2 - 2 / (e + 1) (the same value) loses all of it:
     // there it left 2^-23 where the answer is 0 once the division was the compiler's estimate
     // (AVX2, 052abb1). Every path computes this form.
-    const float u = 0.7978845608028654f * (g + 0.044715f * g * g * g);
+    const float u = kC * (g + kK * g * g * g);
     const float e = std::exp(std::min(std::max(2.f * u, -80.f), 80.f));
     return 0.5f * g * (2.f * e / (e + 1.f));
   }
 #if TL_AVX512
   static __m512 apply16(__m512 g) {
     const __m512 g3 = _mm512_mul_ps(_mm512_mul_ps(g, g), g);
-    const __m512 u = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
-                                   _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), g3, g));
+    const __m512 u = _mm512_mul_ps(_mm512_set1_ps(kC), _mm512_fmadd_ps(_mm512_set1_ps(kK), g3, g));
     const __m512 e = tokenline::exp16(_mm512_add_ps(u, u));
     const __m512 t = div16(_mm512_add_ps(e, e), _mm512_add_ps(e, _mm512_set1_ps(1.f)));
     return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), g), t);
@@ -334,8 +331,7 @@ struct GeluTanh {
 #elif TL_AVX2
   static __m256 apply8(__m256 g) {
     const __m256 g3 = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
-    const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
-                                   _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), g3, g));
+    const __m256 u = _mm256_mul_ps(_mm256_set1_ps(kC), _mm256_fmadd_ps(_mm256_set1_ps(kK), g3, g));
     // 1 + tanh(u) as 2e / (e + 1), as in apply above
     const __m256 e = tokenline::exp8(_mm256_add_ps(u, u));
     const __m256 t = div8(_mm256_add_ps(e, e), _mm256_add_ps(e, _mm256_set1_ps(1.f)));

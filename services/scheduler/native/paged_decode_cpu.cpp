@@ -297,11 +297,7 @@ struct Values<float, D, G> {
 // element by element): decode attention at 4k context read 4-6 GB/s of KV on a 2-core Zen 3,
 // against 12-20 GB/s that a plain read of the same bytes gets.
 
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
+using tokenline::load8;  // cpu_vec.h
 
 // lane j = the sum of v[j]'s 8 lanes (sums of lanes 0-3 and of 4-7 by hadds, then the halves)
 inline __m256 sum_lanes8(const __m256 (&v)[8]) {
