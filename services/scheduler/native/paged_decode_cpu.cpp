@@ -314,14 +314,18 @@ inline __m256 live8(int n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), iota));
 }
 
-// The G query heads of one KV head, q widened to float32. A tile's rows are scored 8 at a time
-// for one head: 8 independent sums (the FMA's latency covered) and Q of the head's q vectors
-// in registers, each key vector an FMA's memory operand; bfloat16 keys are widened into a
-// float32 copy of the tile first, once, not once per head.
+// The G query heads of one KV head, q widened to float32. A tile's rows are scored R at a time
+// for every head at once: each key vector is loaded once and multiplied into the G heads' sums
+// (G * R of them in registers, q an FMA's memory operand from L1), then each head's R sums are
+// reduced across lanes by one hadd tree. bfloat16 keys are widened into a float32 copy of the
+// tile first, once, not once per head. Measured on an AVX2 EPYC (Zen 3) against scoring 8 rows
+// for one head at a time (each key vector loaded once per head, stored through a masked store,
+// which Zen microcodes): bfloat16 5-10% faster a step at contexts of 256-4k, float32 the same.
 template <typename T, int D, int G>
 struct Heads2 {
   static_assert(D % 16 == 0, "head sizes are multiples of 16");
-  static constexpr int C = D / 8, Q = C % 4 == 0 ? 4 : 2;  // Q divides C (D = 80: 10)
+  static constexpr int C = D / 8;  // vectors of a row
+  static constexpr int R = G == 1 ? 8 : G <= 3 ? 4 : G <= 7 ? 2 : 1;  // G * R sums <= 14
   alignas(32) float q[G][D];
 
   void load(const T* src, int64_t head_stride) {
@@ -329,22 +333,35 @@ struct Heads2 {
       for (int d = 0; d < D; ++d) q[g][d] = widen(src[g * head_stride + d]);
   }
 
-  // s[g * ld + j0 + r] = scale * q_g . row[r] for r < m (rows m..7 repeat a live one)
-  void eight(const float* const (&row)[8], int j0, int m, float scale, float* s,
-             int64_t ld) const {
-    for (int g = 0; g < G; ++g) {
-      __m256 a[8];
-      for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
-      for (int c0 = 0; c0 < C; c0 += Q) {
-        __m256 qv[Q];
-        for (int c = 0; c < Q; ++c) qv[c] = _mm256_load_ps(q[g] + (c0 + c) * 8);
-        for (int r = 0; r < 8; ++r)
-          for (int c = 0; c < Q; ++c)
-            a[r] = _mm256_fmadd_ps(qv[c], _mm256_loadu_ps(row[r] + (c0 + c) * 8), a[r]);
+  // s[g * ld + r] = scale * q_g . row[r] for r < R
+  void group(const float* const (&row)[R], float scale, float* s, int64_t ld) const {
+    __m256 a[G][R];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) a[g][r] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) {
+        const __m256 k = _mm256_loadu_ps(row[r] + c * 8);
+        for (int g = 0; g < G; ++g)
+          a[g][r] = _mm256_fmadd_ps(_mm256_load_ps(q[g] + c * 8), k, a[g][r]);
       }
-      // (a masked store: memcpy's rep movs costs more than the 8 sums)
-      _mm256_maskstore_ps(s + g * ld + j0, _mm256_castps_si256(live8(m)),
-                          _mm256_mul_ps(sum_lanes8(a), _mm256_set1_ps(scale)));
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (int g = 0; g < G; ++g) {
+      if constexpr (R == 8) {
+        _mm256_storeu_ps(s + g * ld, _mm256_mul_ps(sum_lanes8(a[g]), sc));
+      } else {
+        // per 128-bit lane: the R rows' partial sums in lanes 0..R-1; then the two halves
+        const __m256 h =
+            R == 4 ? _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]),
+                                    _mm256_hadd_ps(a[g][2], a[g][3]))
+            : R == 2 ? _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][R - 1]), _mm256_setzero_ps())
+                     : _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][0]), _mm256_setzero_ps());
+        const __m128 x = _mm_mul_ps(
+            _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
+            _mm256_castps256_ps128(sc));
+        if constexpr (R == 4) _mm_storeu_ps(s + g * ld, x);
+        else if constexpr (R == 2) _mm_storel_pi(reinterpret_cast<__m64*>(s + g * ld), x);
+        else _mm_store_ss(s + g * ld, x);
+      }
     }
   }
 
@@ -357,15 +374,15 @@ struct Heads2 {
       if constexpr (!wide)
         for (int c = 0; c < C; ++c) _mm256_store_ps(kf[j] + c * 8, load8(k + off[j] + c * 8));
     }
-    for (int j0 = 0; j0 < n; j0 += 8) {
-      const int m = std::min(8, n - j0);
-      const float* row[8];
-      for (int r = 0; r < 8; ++r) {
+    for (int j0 = 0; j0 < n; j0 += R) {
+      const int m = std::min(R, n - j0);
+      const float* row[R];  // rows past the tile's end repeat its last (their sums unused)
+      for (int r = 0; r < R; ++r) {
         const int j = j0 + std::min(r, m - 1);
         if constexpr (wide) row[r] = reinterpret_cast<const float*>(k + off[j]);
         else row[r] = kf[j];
       }
-      eight(row, j0, m, scale, s, ld);
+      group(row, scale, s + j0, ld);
     }
   }
 };
