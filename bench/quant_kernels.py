@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from functools import partial
@@ -247,8 +248,6 @@ def float_ab(rev: str, module: object, batches: list[int], rounds: int) -> None:
     """REV's float32 tiles against this tree's, alternating round by round on the same
     weights: per shape the median of the per-round ratios (REV / ours: above 1, ours is
     faster), and a step's matmuls as the sum of each side's median."""
-    import statistics
-
     ours = native.QUANT.module()
     torch.manual_seed(0)
     print(f"float32 tiles, {rev} / this tree, median of {rounds} rounds "

@@ -105,19 +105,17 @@ class Failover:
         while True:
             try:
                 return await send()
-            except nats.errors.TimeoutError:
-                if resend:
-                    raise _NoReceipt from None
-                raise APIError(f"{failed} (no answer in {self.timeout:g}s); retry shortly",
-                               None, 503, "service_unavailable", "tokenizer_unreachable"
-                               ) from None
             except nats.errors.NoRespondersError:
                 if time.monotonic() >= deadline:
                     raise APIError("no tokenizer is available; retry shortly", None, 503,
                                    "service_unavailable", "no_tokenizer") from None
                 await asyncio.sleep(0.1)
             except nats.errors.Error as exc:  # timeout, or NATS itself is unreachable
-                raise APIError(f"{failed} ({exc}); retry shortly", None, 503,
+                timeout = isinstance(exc, nats.errors.TimeoutError)
+                if timeout and resend:
+                    raise _NoReceipt from None
+                why = f"no answer in {self.timeout:g}s" if timeout else exc
+                raise APIError(f"{failed} ({why}); retry shortly", None, 503,
                                "service_unavailable", "tokenizer_unreachable") from None
 
     # -- scheduler ------------------------------------------------------------------------------

@@ -320,7 +320,8 @@ inline __m256 live8(int n) {
 // reduced across lanes by one hadd tree. bfloat16 keys are widened into a float32 copy of the
 // tile first, once, not once per head. Measured on an AVX2 EPYC (Zen 3) against scoring 8 rows
 // for one head at a time (each key vector loaded once per head, stored through a masked store,
-// which Zen microcodes): bfloat16 5-10% faster a step at contexts of 256-4k, float32 the same.
+// which Zen microcodes): bfloat16 3-10% faster at decode64 and 4k contexts, float32 the
+// same (docs/benchmarks.md).
 template <typename T, int D, int G>
 struct Heads2 {
   static_assert(D % 16 == 0, "head sizes are multiples of 16");
@@ -350,11 +351,13 @@ struct Heads2 {
         _mm256_storeu_ps(s + g * ld, _mm256_mul_ps(sum_lanes8(a[g]), sc));
       } else {
         // per 128-bit lane: the R rows' partial sums in lanes 0..R-1; then the two halves
-        const __m256 h =
-            R == 4 ? _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]),
-                                    _mm256_hadd_ps(a[g][2], a[g][3]))
-            : R == 2 ? _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][R - 1]), _mm256_setzero_ps())
-                     : _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][0]), _mm256_setzero_ps());
+        __m256 h;
+        if constexpr (R == 4)
+          h = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_hadd_ps(a[g][2], a[g][3]));
+        else if constexpr (R == 2)
+          h = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][1]), _mm256_setzero_ps());
+        else
+          h = _mm256_hadd_ps(_mm256_hadd_ps(a[g][0], a[g][0]), _mm256_setzero_ps());
         const __m128 x = _mm_mul_ps(
             _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)),
             _mm256_castps256_ps128(sc));
