@@ -288,8 +288,9 @@ def add_stack_args(p: argparse.ArgumentParser) -> None:
                    help="one more flag for every service (repeat)")
 
 
-# a configuration: its label, how many schedulers, its own flags for every service
-StackConfig = tuple[str, int, list[str]]
+# a configuration: its label, how many schedulers, its own flags for every service, and
+# optionally the share of --threads and --kv-tokens it gets (default all of them)
+StackConfig = tuple[str, int, list[str]] | tuple[str, int, list[str], float]
 
 
 def compare_stacks(args: argparse.Namespace, configs: list[StackConfig], requests: list,
@@ -306,9 +307,10 @@ def compare_stacks(args: argparse.Namespace, configs: list[StackConfig], request
 
     rows = []
     for rnd in range(args.rounds):
-        for label, n, flags in configs if rnd % 2 == 0 else configs[::-1]:
-            with service_stack(n, args.threads, args.kv_tokens,
-                               [*flags, *args.server_flag]) as url:
+        for label, n, flags, *share in configs if rnd % 2 == 0 else configs[::-1]:
+            part = share[0] if share else 1.0
+            with service_stack(n, max(1, int(args.threads * part)),
+                               int(args.kv_tokens * part), [*flags, *args.server_flag]) as url:
                 result = asyncio.run(measure(url))
             rows.append(row(label, rnd, result))
     if args.result_json:

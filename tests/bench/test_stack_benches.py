@@ -78,3 +78,16 @@ def test_requests_spread_over_adapters_name_each_in_turn():
     reqs = [SampleRequest([1, 2], 2, 4) for _ in range(5)]
     assert [r.model for r in spread(reqs, ["a", None, "b"])] == ["a", None, "b", "a", None]
     assert all(r.model is None for r in reqs)  # copies: the workload itself is untouched
+
+
+def test_routing_sends_a_generated_burst_to_one_of_two_schedulers_share(tiny_model_dir, tmp_path):
+    """--workload shared-doc through the `one_of_two` config: one scheduler on half the
+    threads and KV pool computes the 3,000-token document once for all 32 questions."""
+    assert routing.main(["--workload", "shared-doc", "--configs", "one_of_two",
+                         *_stack_flags(tiny_model_dir, tmp_path, "burst.json")]) == 0
+    [row] = json.loads((tmp_path / "burst.json").read_text())
+    assert (row["config"], row["completed"], row["failed"]) == ("1 of 2 schedulers, all", 32, 0)
+    # 32 x (3,000 + 20-60) prompt tokens; computed: the document once, then each question
+    # and the partial block of the document before it (2,992 of its tokens in full blocks)
+    assert row["total_input_tokens"] >= 32 * 3020
+    assert row["recomputed_tokens"] <= 3000 + 32 * (60 + 16)
