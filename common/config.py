@@ -84,7 +84,7 @@ class ServerArgs:
     max_model_len: int | None = _flag(None, "context length (default: the model's)")
     max_running_requests: int = _flag(128, "most requests in the running batch")
     max_queued_requests: int = _flag(1024, "most requests waiting; beyond it new ones get 503")
-    chunked_prefill_size: int = _flag(512, "most prompt tokens of one request in one step")
+    chunked_prefill_size: int = _flag(2048, "most prompt tokens of one request in one step")
     max_prefill_tokens: int = _flag(2048, "most prompt tokens in one step, all requests")
     schedule_policy: str = _flag(
         "sjf", "waiting-queue order: sjf (shortest prompt first, up to --sjf-max-wait), fcfs, "

@@ -25,7 +25,7 @@ PROMPT_LOGPROBS_CHUNK = 256
 @dataclass
 class SchedulerConfig:
     max_running_requests: int = 128
-    chunked_prefill_size: int = 512
+    chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 2048
     schedule_policy: str = "sjf"  # sjf | fcfs | lpm | priority
     # sjf: a request that has waited this long is no longer overtaken by shorter ones
