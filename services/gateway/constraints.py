@@ -87,12 +87,25 @@ class APIFieldError(ValueError):
         self.param = param
 
 
+def sendable(value: Any, param: str) -> None:
+    """A 400 naming `param` for free-form JSON the services' msgpack cannot carry (an
+    integer beyond 64 bits in a schema), rather than a 500 when the gateway sends it on."""
+    try:
+        msgspec.msgpack.encode(value)
+    except (OverflowError, TypeError) as exc:
+        raise APIFieldError(f"`{param}` cannot be sent on: {exc}", param) from None
+
+
 def _one(found: list[tuple[str, StructuredOutputs]]) -> StructuredOutputs | None:
     if len(found) > 1:
         names = [p for p, _ in found]
         raise APIFieldError(f"{' and '.join(names)}: give at most one output constraint",
                             names[0])
-    return found[0][1] if found else None
+    if not found:
+        return None
+    name, constraint = found[0]
+    sendable(constraint, constraint.param or name)
+    return constraint
 
 
 def _from_response_format(rf: ResponseFormat | None) -> list[tuple[str, StructuredOutputs]]:
@@ -175,6 +188,8 @@ def chat_plan(tools: list[Tool] | None, tool_choice: ToolChoice | None, parallel
     if len(set(names)) != len(names):
         raise APIFieldError("tools: two functions share one name", "tools")
     as_dicts = [msgspec.to_builtins(t) for t in tools]
+    for i, t in enumerate(as_dicts):
+        sendable(t, f"tools[{i}]")
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
         return _one(found), None, as_dicts

@@ -121,6 +121,18 @@ BAD = {
     "booleans as token ids": (CMPL, {"prompt": [True, False]}, 400, "prompt", []),
     "priority beyond 64 bits": (CMPL, {"prompt": "hi", "priority": 2**70}, 400, "priority", []),
     "seed beyond 64 bits": (CHAT, {"messages": HI, "seed": -(2**80)}, 400, "seed", []),
+    # free-form JSON sent on to the tokenizer and scheduler (msgpack: 64-bit integers)
+    "tool schema integer beyond 64 bits": (
+        CHAT, {"messages": HI, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "maxProperties": -(2**100)}}}]},
+        400, "tools[0]", ["cannot be sent on"]),
+    "response_format schema integer beyond 64 bits": (
+        CHAT, {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "object", "maxProperties": 2**70}}}},
+        400, "response_format.json_schema.schema", ["cannot be sent on"]),
+    "structured_outputs json integer beyond 64 bits": (
+        CMPL, {"prompt": "hi", "structured_outputs": {"json": {"maxLength": 2**65}}},
+        400, "structured_outputs.json", ["cannot be sent on"]),
     "logit_bias out of range": (CMPL, {"prompt": "hi", "logit_bias": {"5": 500}}, 400,
                                 "logit_bias[...]", []),
     "logit_bias key not a token": (CMPL, {"prompt": "hi", "logit_bias": {"x": 1}}, 400,
