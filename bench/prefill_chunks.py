@@ -69,6 +69,29 @@ def run_config(model: str | None, dtype: str, chunk: int, budget: int, prompts: 
     return row
 
 
+def run_rounds(args: argparse.Namespace, configs: list[tuple[int, int]],
+               prompts: list[list[int]], warmup: list[int]) -> list[dict]:
+    """Every configuration once a round, the order reversed every other round; prints each
+    run and then the medians."""
+    rows = []
+    for rnd in range(args.rounds):
+        for chunk, budget in configs if rnd % 2 == 0 else configs[::-1]:
+            row = run_config(args.model, args.dtype, chunk, budget, prompts, args.output_tokens,
+                             warmup, args.max_total_tokens)
+            rows.append({"round": rnd, **row})
+            print(f"round {rnd}  chunk {chunk:5d} budget {budget:5d}: {row['wall_s']:7.2f} s  "
+                  f"TTFT p50 {row['ttft_p50_s']:7.2f} s  max {row['ttft_max_s']:7.2f} s  "
+                  f"{row['steps']} steps", flush=True)
+    print("medians of the rounds:")
+    for chunk, budget in configs:
+        mine = [r for r in rows if (r["chunk"], r["budget"]) == (chunk, budget)]
+        print(f"  chunk {chunk:5d} budget {budget:5d}: "
+              f"{statistics.median(r['wall_s'] for r in mine):7.2f} s  TTFT p50 "
+              f"{statistics.median(r['ttft_p50_s'] for r in mine):7.2f} s  "
+              f"{statistics.median(r['output_tok_s'] for r in mine):7.2f} output tok/s")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.prefill_chunks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,22 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup = list(cold_warmup(requests).prompt)[:16]  # shares no block with the workload
     print(f"{args.workload}: {len(prompts)} requests, {sum(map(len, prompts))} prompt tokens, "
           f"{args.output_tokens} output tokens each, {args.dtype}", flush=True)
-    rows = []
-    for rnd in range(args.rounds):
-        for chunk, budget in configs if rnd % 2 == 0 else configs[::-1]:
-            row = run_config(args.model, args.dtype, chunk, budget, prompts, args.output_tokens,
-                             warmup, args.max_total_tokens)
-            rows.append({"round": rnd, **row})
-            print(f"round {rnd}  chunk {chunk:5d} budget {budget:5d}: {row['wall_s']:7.2f} s  "
-                  f"TTFT p50 {row['ttft_p50_s']:7.2f} s  max {row['ttft_max_s']:7.2f} s  "
-                  f"{row['steps']} steps", flush=True)
-    print("medians of the rounds:")
-    for chunk, budget in configs:
-        mine = [r for r in rows if (r["chunk"], r["budget"]) == (chunk, budget)]
-        print(f"  chunk {chunk:5d} budget {budget:5d}: "
-              f"{statistics.median(r['wall_s'] for r in mine):7.2f} s  TTFT p50 "
-              f"{statistics.median(r['ttft_p50_s'] for r in mine):7.2f} s  "
-              f"{statistics.median(r['output_tok_s'] for r in mine):7.2f} output tok/s")
+    rows = run_rounds(args, configs, prompts, warmup)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.datasets import load_conversations, load_jsonl
+from bench.datasets import SampleRequest, load_conversations, load_jsonl
 from bench.long_workloads import WORKLOADS
 from bench.servers import add_stack_args, compare_stacks
 
@@ -41,6 +41,18 @@ CONFIGS = {"random": ("2 schedulers, random", 2, "random", 1.0),
            "one_of_two": ("1 of 2 schedulers, all", 1, "cache_aware", 0.5)}
 
 
+def _workload(args: argparse.Namespace) -> tuple[list[SampleRequest], list[bool]]:
+    """The requests, and which of them start a conversation (every one of a plain workload)."""
+    if args.workload:
+        requests = WORKLOADS[args.workload](args.seed)
+    else:
+        requests = load_conversations(args.dataset_path, args.conversations)
+    first_turn = [i == 0 or r.conversation is None
+                  or r.conversation != requests[i - 1].conversation
+                  for i, r in enumerate(requests)]
+    return requests, first_turn
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.routing", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,13 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                    "all to one of two schedulers)")
     add_stack_args(p)
     args = p.parse_args(argv)
-    if args.workload:
-        requests = WORKLOADS[args.workload](args.seed)
-    else:
-        requests = load_conversations(args.dataset_path, args.conversations)
-    first_turn = [i == 0 or r.conversation is None
-                  or r.conversation != requests[i - 1].conversation
-                  for i, r in enumerate(requests)]
+    requests, first_turn = _workload(args)
     warmup = load_jsonl(WARMUP, 2)
     for w in warmup:
         w.max_tokens = 4
