@@ -28,6 +28,7 @@ from services.gateway.constraints import (
     chat_plan,
     completion_constraint,
     generate_constraint,
+    sendable,
 )
 
 MAX_N = 16  # most choices (and most prompts) per request
@@ -398,9 +399,9 @@ def check_messages(messages: list[Any]) -> None:
     for i, m in enumerate(messages):
         _check(isinstance(m, dict), f"messages[{i}] must be an object", f"messages[{i}]")
     try:
-        msgspec.msgpack.encode(messages)
-    except (OverflowError, TypeError) as exc:  # e.g. an integer beyond 64 bits
-        raise APIError(f"messages cannot be sent on: {exc}", "messages") from None
+        sendable(messages, "messages")  # e.g. an integer beyond 64 bits
+    except APIFieldError as exc:
+        raise APIError(str(exc), exc.param) from None
 
 
 def abort_target(body: bytes) -> str | None:
